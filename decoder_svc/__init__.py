@@ -1,0 +1,6 @@
+"""decoder_svc: runs a deploy profile's stages and streams request outputs.
+
+AR stages run on an engine backend (vLLM by default, the deterministic
+reference backend as a test double) and snapshot each decode step into the
+shared-memory arena; a materializer builds the payloads off the critical path.
+"""

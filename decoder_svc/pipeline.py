@@ -1,0 +1,421 @@
+"""The stage pipeline: AR stage runners, routing of materialized steps, code2wav.
+
+Threads:
+  - one runner per AR stage: the decode loop (critical path);
+  - the materializer link's dispatcher/receiver (or in-process builder);
+  - one code2wav worker (generation stage).
+Request outputs go to per-request sinks (the gRPC Generate streams).
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from decoder_svc.backend import ARBackend, RequestSpec, StepOutput
+from decoder_svc.code2wav import (
+    SAMPLE_RATE_HZ,
+    SAMPLES_PER_FRAME,
+    VOICES,
+    ChunkState,
+    ReferenceVocoder,
+)
+from decoder_svc.guards import GuardDecision, evaluate, log_decision
+from decoder_svc.materializer_link import MaterializerLink
+from decoder_svc.profile import Profile, StageConfig
+from decoder_svc.snapshot import SnapshotMeta, take_snapshot
+from omni_common.errors import AlreadyExistsError, InvalidArgumentError, UnavailableError
+from omni_common.materialize import build_step, payload_tensors, sources_of
+from omni_common.shm_arena import ShmArena
+from omni_common.tensor_wire import encode_inline
+from omni_serving.v1 import common_pb2, decoder_pb2, materializer_pb2, payload_pb2
+
+logger = logging.getLogger(__name__)
+
+Sink = Callable[[decoder_pb2.GenerateResponse], None]
+
+
+@dataclass
+class RequestContext:
+    spec: RequestSpec
+    sink: Sink
+    arrival_s: float = field(default_factory=time.perf_counter)
+    first_audio_s: float | None = None
+    audio_samples: int = 0
+    steps: int = 0
+    done: bool = False
+
+    def metrics(self) -> common_pb2.RequestMetrics:
+        now = time.perf_counter()
+        audio_s = self.audio_samples / SAMPLE_RATE_HZ
+        return common_pb2.RequestMetrics(
+            ttfp_ms=(self.first_audio_s - self.arrival_s) * 1e3 if self.first_audio_s else 0.0,
+            rtf=(now - self.arrival_s) / audio_s if audio_s else 0.0,
+            num_steps=self.steps,
+            audio_seconds=audio_s,
+            elapsed_ms=(now - self.arrival_s) * 1e3,
+        )
+
+
+class StageRunner:
+    """The decode loop of one AR stage.
+
+    Per step (the critical path):
+      1) forward + sample + eager postprocess (the backend's `step`);
+      2) async path: copy the routed tensors into a free arena slot and hand
+         a SnapshotMeta to the link (a queue put) -- sync path: build the
+         payloads here and deliver them;
+      3) loop: the next step launches at once.
+    """
+
+    def __init__(
+        self,
+        config: StageConfig,
+        backend: ARBackend,
+        decision: GuardDecision,
+        *,
+        arena: ShmArena | None,
+        link: MaterializerLink | None,
+        deliver: Callable[[materializer_pb2.MaterializedStep, SnapshotMeta], None],
+        downstream: Callable[[list[str]], list[str]],
+        inline_transport: bool = False,
+    ) -> None:
+        self.config = config
+        self.backend = backend
+        self.decision = decision
+        self.arena = arena
+        self.link = link
+        self.deliver = deliver
+        self.downstream = downstream
+        self.inline_transport = inline_transport
+        self.plan = config.plan()
+        self.sources = sources_of(self.plan)
+        self.steps = 0
+        self.gaps_s: collections.deque[float] = collections.deque(maxlen=100_000)
+        self.step_times_s: collections.deque[float] = collections.deque(maxlen=100_000)
+        self._wake = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._loop, name=f"stage-{config.name}", daemon=True)
+        self._step_ids = itertools.count(1)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def notify(self) -> None:
+        with self._wake:
+            self._wake.notify()
+
+    def stop(self) -> None:
+        with self._wake:
+            self._stop = True
+            self._wake.notify()
+        self._thread.join(timeout=30)
+
+    def _loop(self) -> None:
+        while True:
+            with self._wake:
+                self._wake.wait_for(lambda: self._stop or self.backend.has_unfinished())
+                if self._stop:
+                    return
+            t0 = time.perf_counter()
+            # 1) forward + sample + eager postprocess
+            out = self.backend.step()
+            t_sampled = time.perf_counter()
+            if out is None:
+                continue
+            self.steps += 1
+            # 2) hand the step's outputs off (or build them, on the sync path)
+            self._emit(out)
+            t_launch = time.perf_counter()
+            self.step_times_s.append(t_sampled - t0)
+            self.gaps_s.append(t_launch - t_sampled)
+
+    def _emit(self, out: StepOutput) -> None:
+        step_id = next(self._step_ids)
+        downstream = self.downstream(out.request_ids)
+        if self.decision.use_async and self.link is not None:
+            meta = take_snapshot(
+                out,
+                step_id=step_id,
+                stage_id=self.config.stage_id,
+                sources=self.sources,
+                downstream_request_ids=downstream,
+                arena=None if self.inline_transport else self.arena,
+                connector_signals=[],
+            )
+            self.link.submit(meta)
+            return
+        meta = take_snapshot(
+            out,
+            step_id=step_id,
+            stage_id=self.config.stage_id,
+            sources=self.sources,
+            downstream_request_ids=downstream,
+            arena=None,
+            connector_signals=[],
+        )
+        self.deliver(build_step(meta.local_view(None), self.plan), meta)
+
+
+class Code2WavWorker:
+    """The generation stage: codec frames -> audio chunks, per request."""
+
+    def __init__(self, config: StageConfig, emit: Callable[[str, np.ndarray, bool, str], None], *, num_codebooks: int, codec_vocab: int):
+        self.config = config
+        self.emit = emit
+        self.num_codebooks = num_codebooks
+        self.vocoder = ReferenceVocoder(num_codebooks=num_codebooks, codec_vocab=codec_vocab)
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._states: dict[str, ChunkState] = {}
+        self._thread = threading.Thread(target=self._loop, name="code2wav", daemon=True)
+        self.chunks = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=30)
+
+    def frames(self, request_id: str, voice: str, codes: np.ndarray) -> None:
+        self._queue.put(("frames", request_id, voice, codes))
+
+    def finish(self, request_id: str, voice: str, reason: str) -> None:
+        self._queue.put(("finish", request_id, voice, reason))
+
+    def abort(self, request_id: str) -> None:
+        self._queue.put(("abort", request_id, "", None))
+
+    def _state(self, request_id: str, voice: str) -> ChunkState:
+        st = self._states.get(request_id)
+        if st is None:
+            c = self.config
+            st = ChunkState(c.initial_chunk_ramp, c.codec_chunk_frames, c.codec_left_context_frames, voice, self.num_codebooks)
+            self._states[request_id] = st
+        return st
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            kind, rid, voice, value = item
+            if kind == "abort":
+                self._states.pop(rid, None)
+                continue
+            st = self._state(rid, voice)
+            final = kind == "finish"
+            if not final:
+                st.add(value)
+            chunks = st.ready_chunks(final)
+            for i, (start, end) in enumerate(chunks):
+                last = final and i == len(chunks) - 1
+                self.chunks += 1
+                self.emit(rid, st.decode(self.vocoder, start, end), last, value if last else "")
+            if final:
+                if not chunks:
+                    self.emit(rid, np.zeros(0, dtype=np.float32), True, value)
+                self._states.pop(rid, None)
+
+
+class Pipeline:
+    """Runs a profile: AR stages -> code2wav; routes outputs to request sinks."""
+
+    def __init__(
+        self,
+        profile: Profile,
+        backends: dict[str, ARBackend],
+        *,
+        materializer_target: str | None,
+        shm_prefix: str,
+        arena: ShmArena | None,
+        inline_transport: bool = False,
+        in_process_builder: bool = False,
+        num_codebooks: int = 16,
+        codec_vocab: int = 2048,
+        readiness_timeout_ms: int = 5000,
+        stall_timeout_s: float = 10.0,
+    ) -> None:
+        self.profile = profile
+        self.backends = backends
+        self.arena = arena
+        self._lock = threading.Lock()
+        self._requests: dict[str, RequestContext] = {}
+        self.finished_requests = 0
+        self.aborted_requests = 0
+        ar = profile.ar_stages
+        if len(ar) != 1:
+            raise InvalidArgumentError("profile", f"profile {profile.name!r} has {len(ar)} AR stages; this decoder runs one AR stage per pipeline")
+        self.ar_config = ar[0]
+        self.gen_config = profile.stages[-1]
+        # the link exists when a materializer is configured or the in-process
+        # background builder (the seed's thread mode) is asked for
+        use_link = bool(materializer_target) or in_process_builder
+        self.decision = evaluate(self.ar_config, profile, materializer_available=use_link)
+        log_decision(self.ar_config, self.decision)
+        self.link = (
+            MaterializerLink(
+                target=materializer_target or None,
+                shm_prefix=shm_prefix,
+                plans={self.ar_config.stage_id: self.ar_config.plan()},
+                arena=arena,
+                deliver=self._deliver,
+                readiness_timeout_ms=readiness_timeout_ms,
+                stall_timeout_s=stall_timeout_s,
+            )
+            if self.decision.use_async
+            else None
+        )
+        self.runner = StageRunner(
+            self.ar_config,
+            backends[self.ar_config.name],
+            self.decision,
+            arena=arena,
+            link=self.link,
+            deliver=self._deliver,
+            downstream=self._downstream,
+            inline_transport=inline_transport,
+        )
+        self.code2wav = Code2WavWorker(self.gen_config, self._emit_audio, num_codebooks=num_codebooks, codec_vocab=codec_vocab)
+
+    # -- lifecycle ---------------------------------------------------------------
+    def start(self) -> None:
+        if self.link is not None:
+            self.link.start()
+        self.code2wav.start()
+        self.runner.start()
+
+    def stop(self) -> None:
+        self.runner.stop()
+        if self.link is not None:
+            self.link.close()
+        self.code2wav.stop()
+        for backend in self.backends.values():
+            backend.close()
+        with self._lock:
+            contexts = list(self._requests.values())
+            self._requests.clear()
+        for ctx in contexts:
+            self._send(ctx, decoder_pb2.GenerateResponse(request_id=ctx.spec.request_id, finished=True, finish_reason="shutdown"))
+
+    # -- requests ---------------------------------------------------------------
+    def submit(self, spec: RequestSpec, sink: Sink) -> None:
+        if spec.voice not in VOICES:
+            raise InvalidArgumentError("voice", f"unknown voice {spec.voice!r}; voices: {', '.join(VOICES)}")
+        with self._lock:
+            if spec.request_id in self._requests:
+                raise AlreadyExistsError(f"request_id: {spec.request_id!r} is already running")
+            self._requests[spec.request_id] = RequestContext(spec, sink)
+        self.backends[self.ar_config.name].add_request(spec)
+        self.runner.notify()
+
+    def abort(self, request_id: str) -> bool:
+        with self._lock:
+            ctx = self._requests.pop(request_id, None)
+        if ctx is None:
+            return False
+        ctx.done = True
+        self.backends[self.ar_config.name].abort(request_id)
+        self.code2wav.abort(request_id)
+        with self._lock:
+            self.aborted_requests += 1
+        self._send(ctx, decoder_pb2.GenerateResponse(request_id=request_id, finished=True, finish_reason="abort", metrics=ctx.metrics()))
+        return True
+
+    @property
+    def active_requests(self) -> int:
+        with self._lock:
+            return len(self._requests)
+
+    def _context(self, request_id: str) -> RequestContext | None:
+        with self._lock:
+            return self._requests.get(request_id)
+
+    def _downstream(self, request_ids: list[str]) -> list[str]:
+        """Requests whose payload the next stage wants this step (audio ones)."""
+        with self._lock:
+            return [rid for rid in request_ids if (c := self._requests.get(rid)) is not None and c.spec.modality.has_multimodal]
+
+    @staticmethod
+    def _send(ctx: RequestContext, resp: decoder_pb2.GenerateResponse) -> None:
+        ctx.sink(resp)
+
+    # -- routing of materialized steps (in step order) ---------------------------
+    def _deliver(self, step: materializer_pb2.MaterializedStep, meta: SnapshotMeta) -> None:
+        """Route one materialized step: inter-stage payloads to code2wav,
+        client payloads to request streams, finishes downstream."""
+        for req in step.requests:
+            ctx = self._context(req.request_id)
+            if ctx is None or ctx.done:
+                continue  # aborted meanwhile
+            ctx.steps += 1
+            if req.inter_stage.tensors:
+                codes = payload_tensors(req.inter_stage)["codec_codes"]
+                self.code2wav.frames(req.request_id, ctx.spec.voice, codes.numpy())
+            if req.client.tensors:
+                self._send(ctx, decoder_pb2.GenerateResponse(
+                    request_id=req.request_id, stage_id=step.stage_id, multimodal_output=req.client, metrics=ctx.metrics()))
+            if req.finished:
+                reason = meta.finished.get(req.request_id, "stop")
+                if ctx.spec.modality.has_multimodal:
+                    self.code2wav.finish(req.request_id, ctx.spec.voice, reason)
+                else:
+                    self._complete(ctx, decoder_pb2.GenerateResponse(request_id=req.request_id, stage_id=step.stage_id, finished=True, finish_reason=reason))
+
+    def _emit_audio(self, request_id: str, audio: np.ndarray, last: bool, reason: str) -> None:
+        ctx = self._context(request_id)
+        if ctx is None or ctx.done:
+            return
+        if ctx.first_audio_s is None and audio.size:
+            ctx.first_audio_s = time.perf_counter()
+        ctx.audio_samples += int(audio.size)
+        payload = payload_pb2.MultimodalPayload()
+        if audio.size or last:
+            payload.tensors.add(name="audio", tensor=encode_inline(torch.from_numpy(audio)))
+        payload.metadata["sample_rate"].int_value = SAMPLE_RATE_HZ
+        payload.metadata["last_chunk"].bool_value = last
+        resp = decoder_pb2.GenerateResponse(
+            request_id=request_id, stage_id=self.gen_config.stage_id, multimodal_output=payload,
+            finished=last, finish_reason=reason if last else "", metrics=ctx.metrics())
+        if last:
+            self._complete(ctx, resp)
+        else:
+            self._send(ctx, resp)
+
+    def _complete(self, ctx: RequestContext, resp: decoder_pb2.GenerateResponse) -> None:
+        with self._lock:
+            if self._requests.pop(ctx.spec.request_id, None) is None:
+                return
+            self.finished_requests += 1
+        ctx.done = True
+        self._send(ctx, resp)
+
+    # -- info -------------------------------------------------------------------
+    def stage_infos(self) -> list[decoder_pb2.StageInfo]:
+        infos = []
+        for s in self.profile.stages:
+            info = decoder_pb2.StageInfo(stage_id=s.stage_id, name=s.name)
+            if s.kind == "ar":
+                info.kind = decoder_pb2.STAGE_KIND_AR
+                info.output_path = decoder_pb2.OUTPUT_PATH_ASYNC if self.decision.use_async else decoder_pb2.OUTPUT_PATH_SYNC
+                info.reason = self.decision.reason
+                info.steps = self.runner.steps
+            else:
+                info.kind = decoder_pb2.STAGE_KIND_GENERATION
+                info.output_path = decoder_pb2.OUTPUT_PATH_SYNC
+                info.reason = "generation stage: outputs built by its own worker"
+                info.steps = self.code2wav.chunks
+            infos.append(info)
+        return infos
+
+
+__all__ = ["Pipeline", "RequestContext", "SAMPLES_PER_FRAME", "UnavailableError"]

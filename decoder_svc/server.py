@@ -1,0 +1,92 @@
+"""decoder_svc entry point: `python -m decoder_svc` / `omni-serving decoder`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+
+import grpc
+
+from decoder_svc.pipeline import Pipeline
+from decoder_svc.profile import available_profiles, load_profile
+from decoder_svc.servicer import DecoderServicer
+from omni_common.logging_setup import setup_logging
+from omni_common.server import ServerConfig, run_server
+from omni_common.shm_arena import ShmArena, sweep_stale
+from omni_serving.v1 import decoder_pb2, decoder_pb2_grpc
+
+logger = logging.getLogger("decoder_svc")
+SERVICE_NAME = decoder_pb2.DESCRIPTOR.services_by_name["DecoderService"].full_name
+
+
+def shm_prefix_for(deployment: str) -> str:
+    return f"omni-{deployment}"
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--listen", default=os.environ.get("OMNI_DECODER_LISTEN", "unix:///tmp/omni-serving/decoder.sock"),
+                   help="address to serve on: unix:///path.sock or host:port")
+    p.add_argument("--materializer", default=os.environ.get("OMNI_MATERIALIZER_TARGET", ""),
+                   help="materializer target (unix:///path.sock); empty = build payloads in-process")
+    p.add_argument("--deployment", default=os.environ.get("OMNI_DEPLOYMENT", "default"),
+                   help="deployment name; shared-memory segments are named omni-<deployment>-*")
+    p.add_argument("--profile", default=os.environ.get("OMNI_PROFILE", "tts"),
+                   help=f"deploy profile: one of {available_profiles()} or a YAML path")
+    p.add_argument("--engine", choices=("vllm", "reference"), default=os.environ.get("OMNI_ENGINE", "reference"),
+                   help="AR engine backend")
+    p.add_argument("--model-dir", default=os.environ.get("OMNI_MODEL_DIR", ""), help="model checkpoints (vllm engine)")
+    p.add_argument("--arena-slots", type=int, default=int(os.environ.get("OMNI_ARENA_SLOTS", "16")),
+                   help="shared-memory slots (max steps in flight to the materializer)")
+    p.add_argument("--arena-slot-bytes", type=int, default=int(os.environ.get("OMNI_ARENA_SLOT_BYTES", str(4 * 2**20))),
+                   help="bytes per slot (one step's routed tensors)")
+    p.add_argument("--inline-transport", action="store_true", help="send tensors as bytes instead of shm handles")
+    p.add_argument("--in-process-builder", action="store_true",
+                   help="without --materializer: build payloads on a background thread (the in-process baseline)")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="max requests per decode step")
+    p.add_argument("--log-level", default=os.environ.get("OMNI_LOG_LEVEL", "INFO"))
+
+
+def build_backends(args: argparse.Namespace, profile) -> dict:
+    if args.engine == "reference":
+        from decoder_svc.reference_backend import ReferenceBackend
+
+        return {s.name: ReferenceBackend(max_num_seqs=args.max_num_seqs) for s in profile.ar_stages}
+    raise SystemExit("--engine vllm is not available in this build; use --engine reference")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="decoder_svc", description=__doc__)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    setup_logging(args.log_level, service="decoder")
+    profile = load_profile(args.profile)
+    prefix = shm_prefix_for(args.deployment)
+    sweep_stale(prefix)
+    arena = ShmArena(prefix, args.arena_slots, args.arena_slot_bytes)
+    try:
+        pipeline = Pipeline(
+            profile,
+            build_backends(args, profile),
+            materializer_target=args.materializer or None,
+            shm_prefix=prefix,
+            arena=arena,
+            inline_transport=args.inline_transport,
+            in_process_builder=args.in_process_builder,
+        )
+        pipeline.start()
+        servicer = DecoderServicer(pipeline, engine=args.engine, materializer_target=args.materializer)
+
+        def register(server: grpc.aio.Server) -> None:
+            decoder_pb2_grpc.add_DecoderServiceServicer_to_server(servicer, server)
+
+        async def on_shutdown() -> None:
+            pipeline.stop()
+
+        run_server(
+            ServerConfig(address=args.listen, service_name=SERVICE_NAME, reflection_service_names=[SERVICE_NAME]),
+            register,
+            on_shutdown=on_shutdown,
+        )
+    finally:
+        arena.close()

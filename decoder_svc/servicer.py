@@ -1,0 +1,129 @@
+"""DecoderService servicer: protobuf <-> domain, nothing else."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import zlib
+from collections.abc import AsyncIterator
+
+import grpc
+
+from decoder_svc.backend import RequestSpec
+from decoder_svc.code2wav import SAMPLE_RATE_HZ, VOICES
+from decoder_svc.pipeline import Pipeline
+from omni_common.errors import InvalidArgumentError, OmniError, grpc_code_for
+from omni_common.modality import OutputModality
+from omni_common.tensor_wire import encode_inline
+from omni_serving.v1 import common_pb2, decoder_pb2, decoder_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+MAX_PROMPT_CHARS = 8192
+
+
+def spec_from_pb(req: decoder_pb2.GenerateRequest, default_modalities: str) -> RequestSpec:
+    """Validate a GenerateRequest and turn it into a RequestSpec."""
+    if not req.request_id:
+        raise InvalidArgumentError("request_id", "is empty")
+    if not req.prompt.strip():
+        raise InvalidArgumentError("prompt", "is empty")
+    if len(req.prompt) > MAX_PROMPT_CHARS:
+        raise InvalidArgumentError("prompt", f"has {len(req.prompt)} characters; at most {MAX_PROMPT_CHARS}")
+    sp = req.sampling_params
+    if sp.temperature < 0:
+        raise InvalidArgumentError("sampling_params.temperature", f"must be >= 0, got {sp.temperature}")
+    modality = (
+        OutputModality.from_proto(req.output_modalities)
+        if req.output_modalities
+        else OutputModality.from_string(default_modalities)
+    )
+    task = "embed" if req.task == common_pb2.REQUEST_TASK_EMBED else "generate"
+    return RequestSpec(
+        request_id=req.request_id,
+        prompt=req.prompt,
+        max_tokens=sp.max_tokens,
+        temperature=sp.temperature,
+        top_p=sp.top_p or 1.0,
+        top_k=sp.top_k,
+        # unset seed: a stable one derived from the request id
+        seed=sp.seed if sp.HasField("seed") else zlib.crc32(req.request_id.encode()),
+        voice=req.voice or "default",
+        task=task,
+        modality=modality,
+    )
+
+
+class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
+    def __init__(self, pipeline: Pipeline, *, engine: str, materializer_target: str) -> None:
+        self.pipeline = pipeline
+        self.engine = engine
+        self.materializer_target = materializer_target
+
+    async def Generate(
+        self, request: decoder_pb2.GenerateRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[decoder_pb2.GenerateResponse]:
+        try:
+            spec = spec_from_pb(request, self.pipeline.profile.default_modalities)
+            if spec.task == "embed":
+                backend = self.pipeline.backends[self.pipeline.ar_config.name]
+                vector = await asyncio.to_thread(backend.embed, spec)
+                yield decoder_pb2.GenerateResponse(
+                    request_id=spec.request_id, pooling_output=encode_inline(vector), finished=True, finish_reason="stop"
+                )
+                return
+            loop = asyncio.get_running_loop()
+            outputs: asyncio.Queue[decoder_pb2.GenerateResponse] = asyncio.Queue()
+
+            def sink(resp: decoder_pb2.GenerateResponse) -> None:
+                if not loop.is_closed():
+                    loop.call_soon_threadsafe(outputs.put_nowait, resp)
+
+            self.pipeline.submit(spec, sink)
+        except OmniError as exc:
+            await context.abort(grpc_code_for(exc), str(exc))
+            return
+        finished = False
+        try:
+            while not finished:
+                resp = await outputs.get()
+                finished = resp.finished
+                yield resp
+        finally:
+            if not finished:  # the client went away: free the request
+                self.pipeline.abort(spec.request_id)
+
+    async def Abort(self, request: decoder_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> decoder_pb2.AbortResponse:
+        aborted = [rid for rid in request.request_ids if self.pipeline.abort(rid)]
+        return decoder_pb2.AbortResponse(aborted_request_ids=aborted)
+
+    async def GetDecoderInfo(
+        self, request: decoder_pb2.GetDecoderInfoRequest, context: grpc.aio.ServicerContext
+    ) -> decoder_pb2.GetDecoderInfoResponse:
+        p = self.pipeline
+        resp = decoder_pb2.GetDecoderInfoResponse(
+            profile=p.profile.name,
+            engine=self.engine,
+            stages=p.stage_infos(),
+            active_requests=p.active_requests,
+            materializer_target=self.materializer_target,
+            materializer_connected=bool(p.link and p.link.connected),
+            fallback_steps=p.link.fallback_steps if p.link else 0,
+            aborted_requests=p.aborted_requests,
+            finished_requests=p.finished_requests,
+            voices=list(VOICES),
+            sample_rate_hz=SAMPLE_RATE_HZ,
+        )
+        if p.arena is not None:
+            a = p.arena
+            resp.arena.region = a.name
+            resp.arena.slot_bytes = a.slot_bytes
+            resp.arena.num_slots = a.num_slots
+            resp.arena.slots_in_use = a.in_use
+            resp.arena.peak_slots_in_use = a.peak_in_use
+        return resp
+
+
+def new_request_id() -> str:
+    return f"req-{secrets.token_hex(8)}"

@@ -1,0 +1,156 @@
+"""Per-step snapshots: detached metadata plus tensors copied into an arena slot.
+
+`take_snapshot` runs on the decode critical path. It copies only the tensors
+the stage's routes read (one memcpy each, into a free slot), marks the slot
+ready, and returns a `SnapshotMeta`: plain Python values and handles. The
+`StepSnapshot` protobuf is built later, by the sender thread.
+
+When a step's tensors do not fit a slot, or inline transport is chosen, the
+snapshot keeps detached (cloned) tensors instead and they travel as bytes.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from decoder_svc.backend import StepOutput
+from omni_common.errors import ResourceExhaustedError
+from omni_common.materialize import HIDDEN_STATES, SAMPLED_TOKEN_IDS, StepView, view_from_tensors
+from omni_common.shm_arena import ShmArena, SlotLease
+from omni_common.tensor_wire import dtype_info, encode_inline
+from omni_serving.v1 import snapshot_pb2, tensor_pb2
+
+PER_TOKEN = snapshot_pb2.TENSOR_LAYOUT_PER_TOKEN
+PER_REQUEST = snapshot_pb2.TENSOR_LAYOUT_PER_REQUEST
+
+
+@dataclass
+class SnapshotMeta:
+    """A step, detached from the runner's live state."""
+
+    step_id: int
+    stage_id: int
+    request_ids: list[str]
+    batch_indices: list[int]
+    num_scheduled_tokens: list[int]
+    spans: list[tuple[int, int]]
+    num_sampled_tokens: list[int]
+    finished: dict[str, str]
+    downstream_request_ids: list[str]
+    connector_signals: list[snapshot_pb2.ConnectorSignal]
+    handles: dict[str, tuple[tensor_pb2.TensorRef, int]] = field(default_factory=dict)
+    tensors: dict[str, tuple[torch.Tensor, int]] = field(default_factory=dict)  # detached, slot-less
+    lease: SlotLease | None = None
+    text_deltas: dict[str, str] = field(default_factory=dict)
+    created_s: float = field(default_factory=time.perf_counter)
+
+    # -- off the critical path -------------------------------------------------
+    def to_proto(self) -> snapshot_pb2.StepSnapshot:
+        snap = snapshot_pb2.StepSnapshot(
+            step_id=self.step_id,
+            stage_id=self.stage_id,
+            request_ids=self.request_ids,
+            batch_indices=self.batch_indices,
+            num_sampled_tokens=self.num_sampled_tokens,
+            num_scheduled_tokens=self.num_scheduled_tokens,
+            finished_request_ids=list(self.finished),
+            downstream_request_ids=self.downstream_request_ids,
+        )
+        for start, end in self.spans:
+            snap.scheduled_spans.add(start=start, end=end)
+        snap.connector_output.signals.extend(self.connector_signals)
+        refs = dict(self.handles)
+        for name, (t, layout) in self.tensors.items():
+            refs[name] = (encode_inline(t), layout)
+        for name, (ref, layout) in refs.items():
+            if name == SAMPLED_TOKEN_IDS:
+                snap.sampled_token_ids.CopyFrom(ref)
+            elif name == HIDDEN_STATES:
+                snap.hidden_states.CopyFrom(ref)
+            else:
+                snap.multimodal_outputs.add(name=name, layout=layout, tensor=ref)
+        return snap
+
+    def local_view(self, arena: ShmArena | None) -> StepView:
+        """A StepView over this snapshot's own tensors (in-process fallback)."""
+        tensors = dict(self.tensors)
+        for name, (ref, layout) in self.handles.items():
+            assert arena is not None and ref.shm.region == arena.name
+            nbytes = ref.shm.byte_size
+            raw = arena.data_view(ref.shm.offset, nbytes)
+            dtype = dtype_info(ref.dtype).torch_dtype
+            tensors[name] = (raw.view(dtype).view(tuple(ref.shape)), layout)
+        return view_from_tensors(
+            step_id=self.step_id,
+            stage_id=self.stage_id,
+            request_ids=self.request_ids,
+            spans=self.spans,
+            num_sampled_tokens=self.num_sampled_tokens,
+            finished_request_ids=list(self.finished),
+            downstream_request_ids=self.downstream_request_ids,
+            tensors=tensors,
+            connector_signals=self.connector_signals,
+        )
+
+
+def step_tensors(out: StepOutput, sources: set[str]) -> dict[str, tuple[torch.Tensor, int]]:
+    """The step tensors the stage's routes read, by source name."""
+    tensors: dict[str, tuple[torch.Tensor, int]] = {}
+    if SAMPLED_TOKEN_IDS in sources:
+        tensors[SAMPLED_TOKEN_IDS] = (out.sampled_token_ids, PER_REQUEST)
+    if HIDDEN_STATES in sources and out.hidden_states is not None:
+        tensors[HIDDEN_STATES] = (out.hidden_states, PER_TOKEN)
+    for name, value in out.mm_outputs.items():
+        if name in sources:
+            tensors[name] = value
+    return tensors
+
+
+def take_snapshot(
+    out: StepOutput,
+    *,
+    step_id: int,
+    stage_id: int,
+    sources: set[str],
+    downstream_request_ids: list[str],
+    arena: ShmArena | None,
+    connector_signals: list[snapshot_pb2.ConnectorSignal],
+    acquire_timeout_s: float | None = None,
+) -> SnapshotMeta:
+    """Snapshot one step (critical path): copy routed tensors into a slot.
+
+    Blocks while every slot is held (backpressure). Without an arena, or if
+    the step does not fit one slot, tensors are cloned instead.
+    """
+    meta = SnapshotMeta(
+        step_id=step_id,
+        stage_id=stage_id,
+        request_ids=out.request_ids,
+        batch_indices=out.batch_indices,
+        num_scheduled_tokens=out.num_scheduled_tokens,
+        spans=out.spans,
+        num_sampled_tokens=[int(out.sampled_token_ids.shape[1])] * len(out.request_ids),
+        finished=out.finished,
+        downstream_request_ids=downstream_request_ids,
+        connector_signals=connector_signals,
+        text_deltas=out.text_deltas,
+    )
+    tensors = step_tensors(out, sources)
+    if arena is not None:
+        need = sum(t.numel() * t.element_size() + 64 for t, _ in tensors.values())
+        if need <= arena.slot_bytes:
+            lease = arena.acquire(acquire_timeout_s)
+            try:
+                for name, (t, layout) in tensors.items():
+                    meta.handles[name] = (lease.write(t), layout)
+            except ResourceExhaustedError:
+                arena.release(lease.slot, lease.generation)
+                raise
+            lease.mark_ready()
+            meta.lease = lease
+            return meta
+    meta.tensors = {name: (t.detach().clone(), layout) for name, (t, layout) in tensors.items()}
+    return meta

@@ -1,0 +1,216 @@
+"""The gateway's request orchestration, shared by the gRPC servicer and the HTTP facade.
+
+`GatewayEngine` admits a request (bounded concurrency), checks it against the
+decoder's info, streams the decoder's outputs through the one
+`OutputProcessor`, and hands every result to clients through `wrap_output`.
+When a stream ends without its final output (client cancel, error, consumer
+stopped reading), the decoder is told to `Abort` that request.
+
+Consumers must close the async generators they iterate (``contextlib.aclosing``)
+so the abort happens when they stop, not when the generator is collected.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Callable, Iterator
+from dataclasses import replace
+
+import grpc
+
+from gateway import metrics
+from gateway.audio import AUDIO_KEY, SAMPLE_RATE_KEY, AudioChunk, pcm16le
+from gateway.decoder_client import DecoderClient, DecoderInfo, decoder_error
+from gateway.output_processor import OutputKind, OutputProcessor
+from gateway.outputs import DecoderOutputError, OmniRequestOutput, RequestMetrics, wrap_output
+from gateway.validation import (
+    GenerationRequest,
+    Limits,
+    SpeechRequest,
+    check_sample_rate,
+    check_voice,
+    decoder_request,
+)
+from omni_common.errors import InvalidArgumentError, ResourceExhaustedError
+from omni_common.modality import OutputModality
+from omni_serving.v1 import decoder_pb2
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_CONCURRENT = 64
+
+
+class Admission:
+    """At most `limit` client streams at once; the next one is refused, not queued."""
+
+    def __init__(self, limit: int) -> None:
+        if limit < 1:
+            raise InvalidArgumentError("max_concurrent", f"must be >= 1, got {limit}")
+        self.limit = limit
+        self.active = 0
+
+    @contextlib.contextmanager
+    def slot(self) -> Iterator[None]:
+        # No await between the check and the increment: one event loop, no race.
+        if self.active >= self.limit:
+            raise ResourceExhaustedError(
+                f"the gateway is serving its limit of {self.limit} concurrent streams; retry later"
+            )
+        self.active += 1
+        metrics.ACTIVE_STREAMS.inc()
+        try:
+            yield
+        finally:
+            self.active -= 1
+            metrics.ACTIVE_STREAMS.dec()
+
+
+class GatewayEngine:
+    """Runs client requests against one decoder. Create it inside its event loop."""
+
+    def __init__(
+        self,
+        decoder: DecoderClient,
+        *,
+        limits: Limits | None = None,
+        max_concurrent: int = DEFAULT_MAX_CONCURRENT,
+        processor: OutputProcessor | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.decoder = decoder
+        self.limits = limits or Limits()
+        self.admission = Admission(max_concurrent)
+        self.processor = processor or OutputProcessor(clock=clock)
+        self._clock = clock
+
+    async def decoder_info(self) -> DecoderInfo:
+        return await self.decoder.info()
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[OmniRequestOutput]:
+        """Stream a Generate request's outputs (per its output kind)."""
+        with self.admission.slot():
+            info = await self.decoder.info()
+            voice = await self._voice(request.voice, info)
+            upstream = decoder_request(
+                request.request_id,
+                request.prompt,
+                request.output_modality,
+                voice,
+                request.sampling_params,
+            )
+            async for output in self._stream(
+                upstream, request.output_modality, request.output_kind
+            ):
+                yield output
+
+    async def speak(self, request: SpeechRequest) -> AsyncIterator[AudioChunk]:
+        """Stream PCM16 chunks, numbered from 0; the last has `final=True` and full metrics."""
+        start = self._clock()
+        with self.admission.slot():
+            info = await self.decoder.info()
+            voice = await self._voice(request.voice, info)
+            rate = check_sample_rate(request.sample_rate_hz, info)
+            upstream = decoder_request(
+                request.request_id,
+                request.text,
+                OutputModality.AUDIO,
+                voice,
+                request.sampling_params,
+            )
+            sequence = samples = 0
+            first_packet: float | None = None
+            async for output in self._stream(upstream, OutputModality.AUDIO, OutputKind.DELTA):
+                payload = output.multimodal
+                audio = b""
+                if payload is not None:
+                    rate = int(payload.metadata.get(SAMPLE_RATE_KEY, rate))
+                    tensor = payload.tensors.get(AUDIO_KEY)
+                    if tensor is not None:
+                        audio = pcm16le(tensor)
+                if not audio and not output.finished:
+                    continue
+                now = self._clock()
+                if audio and first_packet is None:
+                    first_packet = now
+                    metrics.TTFP_SECONDS.observe(now - start)
+                samples += len(audio) // 2
+                chunk_metrics = _speech_metrics(
+                    output.metrics, start, first_packet, now, samples, rate
+                )
+                if output.finished and chunk_metrics.rtf:
+                    metrics.RTF.observe(chunk_metrics.rtf)
+                yield AudioChunk(
+                    request_id=request.request_id,
+                    sequence_number=sequence,
+                    audio=audio,
+                    sample_rate_hz=rate,
+                    final=output.finished,
+                    metrics=chunk_metrics,
+                )
+                sequence += 1
+
+    async def _voice(self, voice: str, info: DecoderInfo) -> str:
+        """Check a voice, refreshing the cached decoder info once before refusing it."""
+        try:
+            return check_voice(voice, info)
+        except InvalidArgumentError:
+            return check_voice(voice, await self.decoder.info(refresh=True))
+
+    async def _stream(
+        self, upstream: decoder_pb2.GenerateRequest, modality: OutputModality, kind: OutputKind
+    ) -> AsyncIterator[OmniRequestOutput]:
+        """One decoder stream through the output processor; aborts it unless it finished."""
+        request_id = upstream.request_id
+        self.processor.add_request(request_id, modality, kind)
+        call = self.decoder.generate(upstream)
+        finished = False
+        try:
+            try:
+                async for response in call:
+                    result = self.processor.process_outputs((response,))
+                    for failure in result.failures:
+                        raise failure.error
+                    for engine_output in result.outputs:
+                        finished = engine_output.finished
+                        yield wrap_output(engine_output, engine_output.stage_id, modality)
+            except grpc.aio.AioRpcError as exc:
+                raise decoder_error(exc, self.decoder.target) from exc
+            if not finished:
+                raise DecoderOutputError(
+                    f"decoder ended the stream of request {request_id!r} without a final output"
+                )
+        finally:
+            self.processor.abort_requests((request_id,))
+            if not finished:
+                call.cancel()
+                # Shielded: a second cancellation must not stop the abort.
+                await asyncio.shield(self.decoder.abort((request_id,)))
+
+    async def close(self) -> None:
+        await self.decoder.close()
+
+
+def _speech_metrics(
+    decoder: RequestMetrics,
+    start: float,
+    first_packet: float | None,
+    now: float,
+    samples: int,
+    rate: int,
+) -> RequestMetrics:
+    """Timing as the client sees it: measured at the gateway, from the request's arrival."""
+    elapsed_s = now - start
+    audio_s = samples / rate if rate else 0.0
+    return replace(
+        decoder,
+        ttfp_ms=0.0 if first_packet is None else (first_packet - start) * 1000.0,
+        rtf=elapsed_s / audio_s if audio_s else 0.0,
+        audio_seconds=audio_s,
+        elapsed_ms=elapsed_s * 1000.0,
+    )
+
+
+__all__ = ["DEFAULT_MAX_CONCURRENT", "Admission", "GatewayEngine"]

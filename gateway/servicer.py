@@ -1,0 +1,97 @@
+"""`OmniGatewayService`: protobuf in, domain calls, protobuf out. No business logic here.
+
+Errors: every exception the domain raises for a client (`OmniError`, and a
+decoder `RpcError` should one escape) is mapped by `grpc_code_for` and ends
+the call with `context.abort(code, message)`. Anything else is a bug; gRPC
+reports it as UNKNOWN and logs its traceback. A cancelled call raises
+`asyncio.CancelledError` through the handler; closing the engine's stream
+(``aclosing``) sends `Abort` to the decoder.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+
+import grpc
+
+from gateway import metrics
+from gateway.engine import GatewayEngine
+from gateway.validation import generation_request_from_pb, speech_request_from_pb
+from omni_common.errors import OmniError, grpc_code_for
+from omni_serving.v1 import gateway_pb2, gateway_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["OmniGatewayService"].full_name
+
+CLIENT_ERRORS = (OmniError, grpc.RpcError)
+"""Exceptions that end a call with the code `grpc_code_for` gives them."""
+
+
+class OmniGatewayService(gateway_pb2_grpc.OmniGatewayServiceServicer):
+    """The client-facing gRPC API over a `GatewayEngine`."""
+
+    def __init__(self, engine: GatewayEngine) -> None:
+        self._engine = engine
+
+    async def Generate(
+        self,
+        request: gateway_pb2.OmniGatewayServiceGenerateRequest,
+        context: grpc.aio.ServicerContext,
+    ) -> None:
+        try:
+            params = generation_request_from_pb(request, self._engine.limits)
+            async with contextlib.aclosing(self._engine.generate(params)) as outputs:
+                async for output in outputs:
+                    await context.write(
+                        gateway_pb2.OmniGatewayServiceGenerateResponse(output=output.to_pb())
+                    )
+        except CLIENT_ERRORS as exc:
+            await _abort(context, "Generate", exc)
+        except asyncio.CancelledError:
+            metrics.REQUESTS.labels(api="Generate", code="CANCELLED").inc()
+            raise
+        metrics.REQUESTS.labels(api="Generate", code="OK").inc()
+
+    async def Speak(
+        self, request: gateway_pb2.SpeakRequest, context: grpc.aio.ServicerContext
+    ) -> None:
+        try:
+            params = speech_request_from_pb(request, self._engine.limits)
+            async with contextlib.aclosing(self._engine.speak(params)) as chunks:
+                async for chunk in chunks:
+                    await context.write(chunk.to_pb())
+        except CLIENT_ERRORS as exc:
+            await _abort(context, "Speak", exc)
+        except asyncio.CancelledError:
+            metrics.REQUESTS.labels(api="Speak", code="CANCELLED").inc()
+            raise
+        metrics.REQUESTS.labels(api="Speak", code="OK").inc()
+
+
+async def _abort(context: grpc.aio.ServicerContext, api: str, exc: BaseException) -> None:
+    """End the call with the status `grpc_code_for` picks (raises grpc's AbortError)."""
+    code = grpc_code_for(exc)
+    if code is grpc.StatusCode.INTERNAL:
+        logger.error("%s failed", api, exc_info=exc)
+    else:
+        logger.info("%s refused: %s: %s", api, code.name, exc)
+    metrics.REQUESTS.labels(api=api, code=code.name).inc()
+    await context.abort(code, str(exc))
+
+
+def registrar(engine: GatewayEngine) -> Callable[[grpc.aio.Server], None]:
+    """The `register` callback for `omni_common.server.build_server` / `serve`."""
+
+    def register(server: grpc.aio.Server) -> None:
+        gateway_pb2_grpc.add_OmniGatewayServiceServicer_to_server(
+            OmniGatewayService(engine), server
+        )
+
+    return register
+
+
+__all__ = ["CLIENT_ERRORS", "SERVICE_NAME", "OmniGatewayService", "registrar"]

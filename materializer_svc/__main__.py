@@ -1,0 +1,4 @@
+from materializer_svc.server import main
+
+if __name__ == "__main__":
+    raise SystemExit(main())

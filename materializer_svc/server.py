@@ -1,0 +1,53 @@
+"""materializer_svc entry point: `python -m materializer_svc --impl NAME`."""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+import grpc
+
+from materializer_svc import registry
+from omni_common.logging_setup import setup_logging
+from omni_common.server import ServerConfig, run_server
+from omni_serving.v1 import materializer_pb2, materializer_pb2_grpc
+
+SERVICE_NAME = materializer_pb2.DESCRIPTOR.services_by_name["MaterializerService"].full_name
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--listen", default=os.environ.get("OMNI_MATERIALIZER_LISTEN", "unix:///tmp/omni-serving/materializer.sock"))
+    p.add_argument("--impl", default=os.environ.get("OMNI_MATERIALIZER_IMPL", "reference"),
+                   help="implementation from the registry (see --list)")
+    p.add_argument("--deployment", default=os.environ.get("OMNI_DEPLOYMENT", "default"),
+                   help="deployment name; only segments omni-<deployment>-* are read")
+    p.add_argument("--workers", type=int, default=int(os.environ.get("OMNI_MATERIALIZER_WORKERS", "2")),
+                   help="worker processes (implementations that use a pool)")
+    p.add_argument("--list", action="store_true", help="list implementations and exit")
+    p.add_argument("--log-level", default=os.environ.get("OMNI_LOG_LEVEL", "INFO"))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="materializer_svc", description=__doc__)
+    add_arguments(parser)
+    args = parser.parse_args(argv)
+    if args.list:
+        print("\n".join(registry.names()))
+        return
+    setup_logging(args.log_level, service="materializer")
+    config = registry.MaterializerConfig(shm_prefix=f"omni-{args.deployment}", workers=args.workers)
+    servicer = registry.create(args.impl, config)
+
+    def register(server: grpc.aio.Server) -> None:
+        materializer_pb2_grpc.add_MaterializerServiceServicer_to_server(servicer, server)
+
+    async def on_shutdown() -> None:
+        close = getattr(servicer, "close", None)
+        if close is not None:
+            close()
+
+    run_server(
+        ServerConfig(address=args.listen, service_name=SERVICE_NAME, reflection_service_names=[SERVICE_NAME]),
+        register,
+        on_shutdown=on_shutdown,
+    )

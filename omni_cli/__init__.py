@@ -1,0 +1,1 @@
+"""The `omni-serving` command line: run services, the whole stack, clients."""

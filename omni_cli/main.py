@@ -1,0 +1,95 @@
+"""omni-serving: run the services, the whole stack, and clients."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+
+def _cmd_up(args: argparse.Namespace) -> int:
+    from omni_cli.launcher import StackConfig, run_up
+
+    cfg = StackConfig(
+        profile=args.profile,
+        engine=args.engine,
+        materializer_impl=args.materializer_impl,
+        model_dir=args.model_dir,
+        host=args.host,
+        port=args.port,
+        http_port=args.http_port,
+        deployment=args.deployment,
+        runtime_dir=args.runtime_dir,
+        sync=args.sync,
+        log_level=args.log_level,
+    )
+    return run_up(cfg)
+
+
+def _cmd_speak(args: argparse.Namespace) -> int:
+    from omni_cli.speak_client import speak
+
+    speak(
+        args.target,
+        args.text,
+        Path(args.output),
+        voice=args.voice,
+        seed=args.seed,
+        http_url=args.http_url if args.http else None,
+        progress=not args.quiet,
+    )
+    return 0
+
+
+def _delegate(module: str):
+    def run(args: argparse.Namespace) -> int:
+        import importlib
+
+        return int(importlib.import_module(f"{module}.__main__").main(args.rest) or 0)
+
+    return run
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="omni-serving", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    up = sub.add_parser("up", help="start decoder, materializer and gateway; Ctrl-C stops them")
+    up.add_argument("--profile", default="tts")
+    up.add_argument("--engine", choices=("vllm", "reference"), default="reference")
+    up.add_argument("--materializer-impl", default="reference")
+    up.add_argument("--model-dir", default="")
+    up.add_argument("--host", default="127.0.0.1")
+    up.add_argument("--port", type=int, default=50051, help="gateway gRPC port")
+    up.add_argument("--http-port", type=int, default=8000, help="gateway HTTP port (OpenAI-compatible speech)")
+    up.add_argument("--deployment", default="", help="deployment name (default: unique per launch)")
+    up.add_argument("--runtime-dir", default="", help="socket directory (default: a private temp dir)")
+    up.add_argument("--sync", action="store_true", help="no materializer: build payloads in the decode step")
+    up.add_argument("--log-level", default="INFO")
+    up.set_defaults(func=_cmd_up)
+
+    sp = sub.add_parser("speak", help="speak a text through the gateway and write a WAV")
+    sp.add_argument("text")
+    sp.add_argument("-o", "--output", default="out.wav")
+    sp.add_argument("--target", default="127.0.0.1:50051", help="gateway gRPC address")
+    sp.add_argument("--voice", default="")
+    sp.add_argument("--seed", type=int, default=None)
+    sp.add_argument("--http", action="store_true", help="use the HTTP facade instead of gRPC")
+    sp.add_argument("--http-url", default="http://127.0.0.1:8000")
+    sp.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    sp.set_defaults(func=_cmd_speak)
+
+    for name, module in (("decoder", "decoder_svc"), ("materializer", "materializer_svc"), ("gateway", "gateway")):
+        p = sub.add_parser(name, help=f"run {module} (arguments as `python -m {module} --help`)", add_help=False)
+        p.add_argument("rest", nargs=argparse.REMAINDER)
+        p.set_defaults(func=_delegate(module))
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

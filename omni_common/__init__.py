@@ -1,0 +1,4 @@
+"""Code shared by two or more omni-serving services.
+
+Never imports vllm: the engine lives behind decoder_svc's `cpu`/`cuda` extras.
+"""

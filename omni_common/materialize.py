@@ -1,0 +1,244 @@
+"""Build a step's payloads from its snapshot: the one builder every path uses.
+
+The decoder's synchronous in-process path, the shipped materializer
+implementations and the conformance kit's golden vectors all call
+`build_step`, so their payload bytes are identical by construction.
+
+Input is a `StepView`: the snapshot's metadata plus its tensors as numpy
+arrays (viewing shared memory, inline bytes, or the engine's own tensors).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from omni_common.errors import InvalidArgumentError
+from omni_common.tensor_wire import (
+    DTypeInfo,
+    encode_array,
+    tensor_from_buffer,
+    validate_ref,
+)
+from omni_serving.v1 import materializer_pb2, payload_pb2, snapshot_pb2, tensor_pb2
+
+PER_TOKEN = snapshot_pb2.TENSOR_LAYOUT_PER_TOKEN
+PER_REQUEST = snapshot_pb2.TENSOR_LAYOUT_PER_REQUEST
+INTER_STAGE = materializer_pb2.PAYLOAD_DESTINATION_INTER_STAGE
+CLIENT = materializer_pb2.PAYLOAD_DESTINATION_CLIENT
+SELECT_ALL = materializer_pb2.ROW_SELECTION_ALL
+SELECT_LAST = materializer_pb2.ROW_SELECTION_LAST
+
+HIDDEN_STATES = "hidden_states"
+SAMPLED_TOKEN_IDS = "sampled_token_ids"
+
+
+@dataclass
+class StepTensorView:
+    """A step tensor as a numpy array, with its row layout and wire dtype."""
+
+    array: np.ndarray
+    layout: int
+    dtype: torch.dtype
+
+
+@dataclass
+class StepView:
+    """What the builder reads from one step (metadata + tensors)."""
+
+    step_id: int
+    stage_id: int
+    request_ids: Sequence[str]
+    spans: Sequence[tuple[int, int]]
+    num_sampled_tokens: Sequence[int]
+    finished_request_ids: frozenset[str]
+    downstream_request_ids: frozenset[str]
+    tensors: Mapping[str, StepTensorView]
+    connector_signals: Sequence[snapshot_pb2.ConnectorSignal] = field(default_factory=tuple)
+
+
+def _array_of(t: torch.Tensor) -> np.ndarray:
+    t = t.detach().cpu().contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy()
+    return t.numpy()
+
+
+def view_from_tensors(
+    *,
+    step_id: int,
+    stage_id: int,
+    request_ids: Sequence[str],
+    spans: Sequence[tuple[int, int]],
+    num_sampled_tokens: Sequence[int],
+    finished_request_ids: Sequence[str],
+    downstream_request_ids: Sequence[str],
+    tensors: Mapping[str, tuple[torch.Tensor, int]],
+    connector_signals: Sequence[snapshot_pb2.ConnectorSignal] = (),
+) -> StepView:
+    """A StepView over in-process tensors (the synchronous path)."""
+    return StepView(
+        step_id=step_id,
+        stage_id=stage_id,
+        request_ids=request_ids,
+        spans=spans,
+        num_sampled_tokens=num_sampled_tokens,
+        finished_request_ids=frozenset(finished_request_ids),
+        downstream_request_ids=frozenset(downstream_request_ids),
+        tensors={name: StepTensorView(_array_of(t), layout, t.dtype) for name, (t, layout) in tensors.items()},
+        connector_signals=tuple(connector_signals),
+    )
+
+
+TensorResolver = Callable[[tensor_pb2.TensorRef, str], tuple[DTypeInfo, memoryview | bytes]]
+"""Maps a TensorRef to (dtype, bytes) — shared memory or inline — after validation."""
+
+
+def inline_resolver(ref: tensor_pb2.TensorRef, field: str) -> tuple[DTypeInfo, memoryview | bytes]:
+    info, _, _ = validate_ref(ref, field)
+    if ref.WhichOneof("data") != "inline_data":
+        raise InvalidArgumentError(f"{field}.shm", "this reader accepts inline tensors only")
+    return info, ref.inline_data
+
+
+def _np_view(info: DTypeInfo, buf: memoryview | bytes, shape: Sequence[int]) -> np.ndarray:
+    return _array_of(tensor_from_buffer(buf, info, shape))
+
+
+def view_from_snapshot(
+    snap: snapshot_pb2.StepSnapshot,
+    resolve: TensorResolver,
+    needed: set[str] | None = None,
+) -> StepView:
+    """A StepView over a StepSnapshot; tensors come from `resolve` (no copy).
+
+    Validates the metadata's internal consistency (parallel list lengths,
+    spans) so the builder can trust it. Only tensors in `needed` are resolved
+    (None = all).
+    """
+    n = len(snap.request_ids)
+    if len(snap.scheduled_spans) != n:
+        raise InvalidArgumentError(
+            "snapshot.scheduled_spans", f"has {len(snap.scheduled_spans)} entries for {n} request_ids"
+        )
+    if snap.num_sampled_tokens and len(snap.num_sampled_tokens) != n:
+        raise InvalidArgumentError(
+            "snapshot.num_sampled_tokens", f"has {len(snap.num_sampled_tokens)} entries for {n} request_ids"
+        )
+    spans = []
+    prev_end = 0
+    for i, s in enumerate(snap.scheduled_spans):
+        if s.end < s.start or s.start < prev_end:
+            raise InvalidArgumentError(f"snapshot.scheduled_spans[{i}]", f"span [{s.start}, {s.end}) is not ordered")
+        spans.append((int(s.start), int(s.end)))
+        prev_end = s.end
+    ids = set(snap.request_ids)
+    for rid in snap.downstream_request_ids:
+        if rid not in ids:
+            raise InvalidArgumentError("snapshot.downstream_request_ids", f"{rid!r} is not in request_ids")
+
+    tensors: dict[str, StepTensorView] = {}
+
+    def add(name: str, ref: tensor_pb2.TensorRef, layout: int, field_name: str) -> None:
+        if needed is not None and name not in needed:
+            return
+        info, buf = resolve(ref, field_name)
+        tensors[name] = StepTensorView(_np_view(info, buf, list(ref.shape)), layout, info.torch_dtype)
+
+    if snap.HasField("sampled_token_ids"):
+        add(SAMPLED_TOKEN_IDS, snap.sampled_token_ids, PER_REQUEST, "snapshot.sampled_token_ids")
+    if snap.HasField("hidden_states"):
+        add(HIDDEN_STATES, snap.hidden_states, PER_TOKEN, "snapshot.hidden_states")
+    for i, st in enumerate(snap.multimodal_outputs):
+        if st.layout not in (PER_TOKEN, PER_REQUEST):
+            raise InvalidArgumentError(f"snapshot.multimodal_outputs[{i}].layout", "must be PER_TOKEN or PER_REQUEST")
+        add(st.name, st.tensor, st.layout, f"snapshot.multimodal_outputs[{i}].tensor")
+
+    return StepView(
+        step_id=snap.step_id,
+        stage_id=snap.stage_id,
+        request_ids=list(snap.request_ids),
+        spans=spans,
+        num_sampled_tokens=list(snap.num_sampled_tokens) or [1] * n,
+        finished_request_ids=frozenset(snap.finished_request_ids),
+        downstream_request_ids=frozenset(snap.downstream_request_ids),
+        tensors=tensors,
+        connector_signals=tuple(snap.connector_output.signals),
+    )
+
+
+def sources_of(plan: materializer_pb2.StagePlan) -> set[str]:
+    """Step tensors a stage's routes read (the only ones worth snapshotting)."""
+    return {r.source for r in plan.routes}
+
+
+def validate_plan(plan: materializer_pb2.StagePlan, field: str = "plan") -> None:
+    for i, r in enumerate(plan.routes):
+        if not r.source:
+            raise InvalidArgumentError(f"{field}.routes[{i}].source", "is empty")
+        if not r.key:
+            raise InvalidArgumentError(f"{field}.routes[{i}].key", "is empty")
+        if r.destination not in (INTER_STAGE, CLIENT):
+            raise InvalidArgumentError(f"{field}.routes[{i}].destination", "must be INTER_STAGE or CLIENT")
+        if r.selection not in (SELECT_ALL, SELECT_LAST):
+            raise InvalidArgumentError(f"{field}.routes[{i}].selection", "must be ALL or LAST")
+
+
+def _rows(view: StepView, name: str, t: StepTensorView, i: int, selection: int) -> np.ndarray:
+    """Request i's rows of a step tensor under a row selection."""
+    a = t.array
+    if name == SAMPLED_TOKEN_IDS:
+        row = a[i, : view.num_sampled_tokens[i]]
+        return row[-1:] if selection == SELECT_LAST else row
+    if t.layout == PER_REQUEST:
+        return a[i : i + 1]
+    start, end = view.spans[i]
+    if end > a.shape[0]:
+        raise InvalidArgumentError(name, f"span [{start}, {end}) of request {i} is past {a.shape[0]} rows")
+    return a[end - 1 : end] if selection == SELECT_LAST and end > start else a[start:end]
+
+
+def build_step(view: StepView, plan: materializer_pb2.StagePlan) -> materializer_pb2.MaterializedStep:
+    """Slice per request, route by key, build payload messages.
+
+    Steps (the only loop over requests in output materialization):
+      1) resolve which requests want an inter-stage payload this step;
+      2) for each request, slice every routed tensor by its span and encode
+         it into the inter-stage or client payload, in route order;
+      3) after all payloads of the step are built, drain the step's
+         connector signals into the result (never into another step's).
+    Slot release is added by the caller, which knows the handles.
+    """
+    routes = list(plan.routes)
+    for r in routes:
+        if r.source not in view.tensors:
+            raise InvalidArgumentError("plan.routes.source", f"step {view.step_id} has no tensor {r.source!r}")
+    out = materializer_pb2.MaterializedStep(step_id=view.step_id, stage_id=view.stage_id)
+    # 1) downstream set
+    downstream = view.downstream_request_ids
+    # 2) per-request payloads
+    for i, rid in enumerate(view.request_ids):
+        req = out.requests.add(request_id=rid, finished=rid in view.finished_request_ids)
+        wants_inter = rid in downstream
+        for r in routes:
+            if r.destination == INTER_STAGE and not wants_inter:
+                continue
+            t = view.tensors[r.source]
+            rows = _rows(view, r.source, t, i, r.selection)
+            target = req.inter_stage if r.destination == INTER_STAGE else req.client
+            target.tensors.add(name=r.key, tensor=encode_array(rows, t.dtype))
+    # 3) connector signals, after this step's payloads
+    out.connector_signals.extend(view.connector_signals)
+    return out
+
+
+def payload_tensors(payload: payload_pb2.MultimodalPayload, field: str = "payload") -> dict[str, torch.Tensor]:
+    """Decode a payload's inline tensors into a name -> tensor dict."""
+    result = {}
+    for i, nt in enumerate(payload.tensors):
+        info, shape, _ = validate_ref(nt.tensor, f"{field}.tensors[{i}]")
+        result[nt.name] = tensor_from_buffer(nt.tensor.inline_data, info, shape)
+    return result

@@ -1,0 +1,415 @@
+"""gRPC (asyncio) server bootstrap shared by the decoder, materializer and gateway.
+
+Each service's entry point builds a `ServerConfig`, passes a `register`
+callback that adds its servicers, and calls `run_server`. This module adds
+what every service needs on top: health checking (`grpc.health.v1`),
+reflection, listening on TCP or a Unix domain socket (UDS), and an orderly
+shutdown on SIGTERM/SIGINT:
+
+1. health goes NOT_SERVING, so clients and load balancers stop sending work;
+2. `server.stop(grace_s)` lets in-flight RPCs finish, then cancels the rest;
+3. the caller's `on_shutdown` releases backends (engine, shared memory);
+4. the socket file is removed.
+
+Addresses are ``unix:///abs/path.sock``, ``unix:relative/path.sock`` or
+``host:port`` (port 0 picks a free port). `build_server` returns the address
+a client should dial, with the real port filled in.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+import socket
+import stat
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeAlias
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio
+from grpc_reflection.v1alpha import reflection
+
+from omni_common.errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
+
+logger = logging.getLogger(__name__)
+
+HealthServicer: TypeAlias = health_aio.HealthServicer
+
+DEFAULT_MAX_MESSAGE_BYTES = 64 * 2**20
+
+# Keepalive: a peer that vanished without closing its connection (killed
+# container, dropped network path) otherwise leaves streams open until the
+# kernel gives up, which for TCP can take hours. Pinging an idle connection
+# every 30 s and waiting 10 s for the ack bounds that to well under a minute.
+_KEEPALIVE_TIME_MS = 30_000
+_KEEPALIVE_TIMEOUT_MS = 10_000
+# Server side: accept client pings at most this often. It must not be above
+# the clients' keepalive time, or the server answers their pings with GOAWAY
+# ("too_many_pings") and drops the connection.
+_MIN_CLIENT_PING_INTERVAL_MS = 10_000
+
+# sun_path holds 108 bytes including the terminating NUL.
+_MAX_UDS_PATH_BYTES = 107
+
+# Hosts that mean "every interface"; a client on this machine dials loopback instead.
+_WILDCARD_HOSTS = frozenset({"", "*", "0.0.0.0", "::", "[::]", "localhost"})
+
+# Schemes a client target may already carry; passed through unchanged.
+_CLIENT_SCHEMES = ("dns:", "ipv4:", "ipv6:", "unix-abstract:", "vsock:")
+
+
+@dataclass
+class ServerConfig:
+    """Where and how one service listens."""
+
+    address: str
+    """``unix:///abs/path.sock``, ``unix:relative.sock`` or ``host:port`` (port 0 allowed)."""
+    service_name: str
+    """Full proto name reported by health, e.g. ``omni_serving.v1.DecoderService``."""
+    grace_s: float = 5.0
+    """How long in-flight RPCs may run after shutdown starts."""
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    """Largest message accepted or sent, in either direction."""
+    reflection_service_names: Sequence[str] = ()
+    """Full names of the registered services to expose through reflection."""
+
+    def __post_init__(self) -> None:
+        _parse_address(self.address)  # refuse a malformed address before anything starts
+        if not self.service_name:
+            raise InvalidArgumentError("service_name", "must not be empty")
+        if self.grace_s < 0:
+            raise InvalidArgumentError("grace_s", f"must be >= 0, got {self.grace_s}")
+        if self.max_message_bytes <= 0:
+            raise InvalidArgumentError(
+                "max_message_bytes", f"must be > 0, got {self.max_message_bytes}"
+            )
+
+
+@dataclass(frozen=True)
+class _Address:
+    uds_path: str | None  # absolute socket path for UDS, else None
+    host: str = ""
+    port: int = 0
+
+
+def _parse_address(address: str, *, field: str = "address") -> _Address:
+    """Split a listen/dial address; UDS paths come back absolute."""
+    if address.startswith("unix://"):
+        path = address[len("unix://") :]
+        if not path.startswith("/"):
+            raise InvalidArgumentError(
+                field, f"{address!r}: 'unix://' needs an absolute path (unix:///abs/path.sock)"
+            )
+    elif address.startswith("unix:"):
+        path = address[len("unix:") :]
+    else:
+        host, sep, port_text = address.rpartition(":")
+        if not sep or not port_text.isdigit() or int(port_text) > 65535:
+            raise InvalidArgumentError(
+                field, f"{address!r}: expected host:port, unix:///abs/path or unix:relative/path"
+            )
+        return _Address(None, host, int(port_text))
+    if not path or path.endswith("/"):
+        raise InvalidArgumentError(field, f"{address!r}: missing socket file name")
+    path = os.path.abspath(path)
+    if len(os.fsencode(path)) > _MAX_UDS_PATH_BYTES:
+        raise InvalidArgumentError(
+            field, f"{address!r}: socket path is longer than {_MAX_UDS_PATH_BYTES} bytes"
+        )
+    return _Address(path)
+
+
+def _dial_host(host: str) -> str:
+    return "127.0.0.1" if host in _WILDCARD_HOSTS else host
+
+
+def client_target(address: str) -> str:
+    """The target a grpc channel should dial to reach `address`.
+
+    UDS addresses become ``unix:///abs/path``; wildcard or ``localhost``
+    hosts become ``127.0.0.1``; targets with another gRPC scheme
+    (``dns:``, ``ipv4:``, ...) pass through unchanged.
+    """
+    if address.startswith(_CLIENT_SCHEMES):
+        return address
+    parsed = _parse_address(address, field="target")
+    if parsed.uds_path is not None:
+        return f"unix://{parsed.uds_path}"
+    if parsed.port == 0:
+        raise InvalidArgumentError("target", f"{address!r}: cannot dial port 0")
+    return f"{_dial_host(parsed.host)}:{parsed.port}"
+
+
+def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """Channel arguments for a service's server, each with the reason it is set."""
+    return [
+        # gRPC refuses incoming messages above 4 MiB by default. Inline tensors
+        # (audio chunks, codec codes, latents) exceed that, so raise the limit;
+        # keep it finite so one bad request cannot make us buffer gigabytes.
+        ("grpc.max_receive_message_length", max_message_bytes),
+        # Same bound for what we send, so a response that would be refused by
+        # a peer using the same limit fails here, with our error, instead.
+        ("grpc.max_send_message_length", max_message_bytes),
+        # gRPC sets SO_REUSEPORT on Linux, which lets a second server bind the
+        # same TCP port and silently take half the connections. Turn it off
+        # so a port clash fails at startup. (No effect on UDS.)
+        ("grpc.so_reuseport", 0),
+        # Ping idle clients so a vanished one is noticed and its streams end.
+        ("grpc.keepalive_time_ms", _KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_timeout_ms", _KEEPALIVE_TIMEOUT_MS),
+        # Let clients keep long-lived idle channels alive with their own
+        # pings (the gateway holds channels to decoders between requests)...
+        ("grpc.keepalive_permit_without_calls", 1),
+        # ...at the rate they are configured with, without being disconnected
+        # for "too many pings".
+        ("grpc.http2.min_ping_interval_without_data_ms", _MIN_CLIENT_PING_INTERVAL_MS),
+    ]
+
+
+def client_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+    """Channel arguments for a client of our services, matching `server_options`."""
+    return [
+        # Responses carry tensors above the 4 MiB default; accept up to the
+        # same bound the server sends.
+        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_send_message_length", max_message_bytes),
+        # Detect a dead server on an idle channel instead of hanging the next
+        # call; 30 s is above the server's minimum ping interval.
+        ("grpc.keepalive_time_ms", _KEEPALIVE_TIME_MS),
+        ("grpc.keepalive_timeout_ms", _KEEPALIVE_TIMEOUT_MS),
+        ("grpc.keepalive_permit_without_calls", 1),
+    ]
+
+
+def _prepare_uds(path: str) -> None:
+    """Make the socket's directory and clear a stale socket file at `path`.
+
+    A socket file nobody listens on (left by a crashed process) is removed.
+    A live socket, or a file that is not a socket, is refused: gRPC would
+    otherwise unlink it and steal the address from a running server.
+    """
+    parent = os.path.dirname(path)
+    if not os.path.isdir(parent):
+        os.makedirs(parent, mode=0o700, exist_ok=True)
+        os.chmod(parent, 0o700)
+    try:
+        st = os.lstat(path)
+    except FileNotFoundError:
+        return
+    if not stat.S_ISSOCK(st.st_mode):
+        raise FailedPreconditionError(f"{path}: exists and is not a socket; not removing it")
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        probe.settimeout(1.0)
+        probe.connect(path)
+    except (ConnectionRefusedError, FileNotFoundError):
+        logger.info("removing stale socket file %s", path)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
+        return
+    except OSError as exc:
+        raise FailedPreconditionError(f"{path}: cannot tell whether it is in use: {exc}") from exc
+    finally:
+        probe.close()
+    raise FailedPreconditionError(f"{path}: another process is listening on this socket")
+
+
+def _remove_uds(path: str) -> None:
+    """Remove our socket file if it is still there (gRPC usually unlinks it on stop)."""
+    try:
+        if stat.S_ISSOCK(os.lstat(path).st_mode):
+            os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+async def build_server(
+    config: ServerConfig, register: Callable[[grpc.aio.Server], None]
+) -> tuple[grpc.aio.Server, str, HealthServicer]:
+    """Create, bind and start a server for `config`.
+
+    `register` adds the service's servicers. Returns the started server, the
+    address a client dials (``unix:///...`` or ``127.0.0.1:<port>``), and the
+    health servicer (SERVING once this returns).
+    """
+    parsed = _parse_address(config.address)
+    server = grpc.aio.server(options=server_options(config.max_message_bytes))
+    register(server)
+
+    # Health: NOT_SERVING until the server has started.
+    health_servicer = HealthServicer()
+    health_names = dict.fromkeys(["", config.service_name])
+    for name in health_names:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+
+    reflection_names = dict.fromkeys(
+        [*config.reflection_service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
+    )
+    reflection.enable_server_reflection(list(reflection_names), server)
+
+    # Bind.
+    if parsed.uds_path is not None:
+        _prepare_uds(parsed.uds_path)
+        bind_to = f"unix://{parsed.uds_path}"
+    else:
+        bind_to = config.address
+    try:
+        port = server.add_insecure_port(bind_to)
+    except RuntimeError as exc:  # grpc's only signal that bind() failed
+        raise FailedPreconditionError(f"cannot listen on {config.address!r}: {exc}") from exc
+    if parsed.uds_path is not None:
+        # Only our user may connect. gRPC binds in add_insecure_port, so the
+        # file exists now, before any client can be accepted.
+        os.chmod(parsed.uds_path, 0o600)
+        bound = f"unix://{parsed.uds_path}"
+    else:
+        bound = f"{_dial_host(parsed.host)}:{port}"
+
+    await server.start()
+    for name in health_names:
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    logger.info("%s listening on %s", config.service_name, bound)
+    return server, bound, health_servicer
+
+
+async def serve(
+    config: ServerConfig,
+    register: Callable[[grpc.aio.Server], None],
+    *,
+    on_shutdown: Callable[[], Awaitable[None]] | None = None,
+    ready: Callable[[str], None] | None = None,
+) -> None:
+    """Run a server until SIGTERM or SIGINT, then shut it down gracefully.
+
+    `ready` is called with the client address once the server is SERVING
+    and the signal handlers are in place. `on_shutdown` runs after in-flight
+    RPCs are done (or the grace period ran out).
+    """
+    server, bound, health_servicer = await build_server(config, register)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    signals = (signal.SIGTERM, signal.SIGINT)
+
+    def _on_signal(signum: int) -> None:
+        logger.info("%s: got %s, shutting down", config.service_name, signal.Signals(signum).name)
+        stop.set()
+
+    for sig in signals:
+        loop.add_signal_handler(sig, _on_signal, sig)
+    uds_path = _parse_address(config.address).uds_path
+    try:
+        if ready is not None:
+            ready(bound)
+        await stop.wait()
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+        try:
+            # 1) Tell health checkers first so no new work is routed here.
+            await health_servicer.enter_graceful_shutdown()
+            # 2) Let in-flight RPCs finish within the grace period.
+            await server.stop(config.grace_s)
+            # 3) Release whatever the servicers were using.
+            if on_shutdown is not None:
+                await on_shutdown()
+        finally:
+            # 4) Leave no socket file behind.
+            if uds_path is not None:
+                _remove_uds(uds_path)
+            logger.info("%s stopped", config.service_name)
+
+
+def run_server(
+    config: ServerConfig,
+    register: Callable[[grpc.aio.Server], None],
+    *,
+    on_shutdown: Callable[[], Awaitable[None]] | None = None,
+    ready: Callable[[str], None] | None = None,
+) -> None:
+    """Blocking entry point for ``python -m <service>``: `serve` in a new event loop."""
+    asyncio.run(serve(config, register, on_shutdown=on_shutdown, ready=ready))
+
+
+def _not_serving_error(target: str, timeout_s: float, last: str) -> UnavailableError:
+    return UnavailableError(f"{target}: not SERVING after {timeout_s:g}s (last: {last})")
+
+
+def _status_name(status: int) -> str:
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+
+
+_POLL_INTERVAL_S = 0.05
+_ATTEMPT_TIMEOUT_S = 1.0
+
+
+async def wait_for_health(target: str, timeout_s: float, service: str = "") -> None:
+    """Poll `target`'s health until `service` is SERVING.
+
+    Raises `UnavailableError` naming the target and the last answer seen if
+    that does not happen within `timeout_s`.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    request = health_pb2.HealthCheckRequest(service=service)
+    last = "no answer"
+    async with grpc.aio.insecure_channel(client_target(target)) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while (remaining := deadline - loop.time()) > 0:
+            try:
+                response = await stub.Check(
+                    request, timeout=min(remaining, _ATTEMPT_TIMEOUT_S), wait_for_ready=True
+                )
+            except grpc.aio.AioRpcError as exc:
+                last = f"{exc.code().name}: {exc.details()}"
+            else:
+                if response.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+                last = _status_name(response.status)
+            await asyncio.sleep(min(_POLL_INTERVAL_S, max(deadline - loop.time(), 0)))
+    raise _not_serving_error(target, timeout_s, last)
+
+
+def wait_for_health_sync(target: str, timeout_s: float, service: str = "") -> None:
+    """Blocking `wait_for_health`, for scripts and tests without an event loop."""
+    deadline = time.monotonic() + timeout_s
+    request = health_pb2.HealthCheckRequest(service=service)
+    last = "no answer"
+    with grpc.insecure_channel(client_target(target)) as channel:
+        stub = health_pb2_grpc.HealthStub(channel)
+        while (remaining := deadline - time.monotonic()) > 0:
+            try:
+                response = stub.Check(
+                    request, timeout=min(remaining, _ATTEMPT_TIMEOUT_S), wait_for_ready=True
+                )
+            except grpc.RpcError as exc:
+                code = exc.code() if hasattr(exc, "code") else None
+                details = exc.details() if hasattr(exc, "details") else str(exc)
+                last = f"{getattr(code, 'name', code)}: {details}"
+            else:
+                if response.status == health_pb2.HealthCheckResponse.SERVING:
+                    return
+                last = _status_name(response.status)
+            time.sleep(min(_POLL_INTERVAL_S, max(deadline - time.monotonic(), 0)))
+    raise _not_serving_error(target, timeout_s, last)
+
+
+__all__ = [
+    "DEFAULT_MAX_MESSAGE_BYTES",
+    "HealthServicer",
+    "ServerConfig",
+    "build_server",
+    "client_options",
+    "client_target",
+    "run_server",
+    "serve",
+    "server_options",
+    "wait_for_health",
+    "wait_for_health_sync",
+]

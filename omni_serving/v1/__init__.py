@@ -1,0 +1,1 @@
+"""Generated modules of the omni_serving.v1 contract."""

@@ -1,0 +1,68 @@
+"""Helpers shared by the end-to-end speech tests (not a test double)."""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+
+import grpc
+import torch
+
+from decoder_svc.backend import RequestSpec
+from decoder_svc.pipeline import Pipeline
+from decoder_svc.profile import load_profile
+from decoder_svc.reference_backend import ReferenceBackend
+from gateway.audio import pcm16le
+from omni_common.materialize import payload_tensors
+from omni_common.modality import OutputModality
+from omni_serving.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+
+def speak_chunks(target: str, text: str, seed: int, request_id: str = "") -> list[gateway_pb2.SpeakResponse]:
+    with grpc.insecure_channel(target) as channel:
+        stub = gateway_pb2_grpc.OmniGatewayServiceStub(channel)
+        req = gateway_pb2.SpeakRequest(
+            request_id=request_id, text=text, sampling_params=common_pb2.SamplingParams(seed=seed)
+        )
+        return list(stub.Speak(req, timeout=120))
+
+
+def check_chunks(chunks: list[gateway_pb2.SpeakResponse]) -> bytes:
+    """Contiguous sequence numbers, one final flag at the end; returns the PCM."""
+    seqs = [c.sequence_number for c in chunks]
+    assert seqs == list(range(len(chunks))), f"sequence numbers not contiguous: {seqs=}"
+    finals = [c.final for c in chunks]
+    assert finals[-1] and not any(finals[:-1]), f"final flag misplaced: {finals=}"
+    assert len({c.request_id for c in chunks}) == 1, "request id not echoed consistently"
+    return b"".join(c.audio for c in chunks)
+
+
+def reference_audio_sync(text: str, seed: int, profile: str = "tts", voice: str = "default") -> bytes:
+    """PCM16 of the same request through the same backend, payloads built
+    synchronously in-process (no materializer, no arena)."""
+    pipeline = Pipeline(
+        load_profile(profile), {"talker": ReferenceBackend()}, materializer_target=None, shm_prefix="omni-sync", arena=None
+    )
+    assert not pipeline.decision.use_async
+    pipeline.start()
+    pieces: list[torch.Tensor] = []
+    done = threading.Event()
+
+    def sink(resp) -> None:
+        if resp.multimodal_output.tensors:
+            pieces.append(payload_tensors(resp.multimodal_output)["audio"].clone())
+        if resp.finished:
+            done.set()
+
+    try:
+        pipeline.submit(
+            RequestSpec(request_id="sync", prompt=text, seed=seed, voice=voice, modality=OutputModality.AUDIO), sink
+        )
+        assert done.wait(60), "in-process reference request did not finish"
+    finally:
+        pipeline.stop()
+    return pcm16le(pieces)
+
+
+def digest(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
