@@ -44,6 +44,7 @@ class StepOutput:
     mm_outputs: dict[str, tuple[torch.Tensor, int]]  # name -> (tensor, TensorLayout)
     finished: dict[str, str]  # request id -> finish reason
     text_deltas: dict[str, str] = field(default_factory=dict)  # text stages only
+    new_token_ids: dict[str, list[int]] = field(default_factory=dict)  # text stages only
 
     @property
     def spans(self) -> list[tuple[int, int]]:

@@ -10,6 +10,7 @@ Request outputs go to per-request sinks (the gRPC Generate streams).
 from __future__ import annotations
 
 import collections
+import dataclasses
 import itertools
 import logging
 import queue
@@ -24,7 +25,6 @@ import torch
 from decoder_svc.backend import ARBackend, RequestSpec, StepOutput
 from decoder_svc.code2wav import (
     SAMPLE_RATE_HZ,
-    SAMPLES_PER_FRAME,
     VOICES,
     ChunkState,
     ReferenceVocoder,
@@ -32,9 +32,9 @@ from decoder_svc.code2wav import (
 from decoder_svc.guards import GuardDecision, evaluate, log_decision
 from decoder_svc.materializer_link import MaterializerLink
 from decoder_svc.profile import Profile, StageConfig
-from decoder_svc.snapshot import SnapshotMeta, take_snapshot
-from omni_common.errors import AlreadyExistsError, InvalidArgumentError, UnavailableError
-from omni_common.materialize import build_step, payload_tensors, sources_of
+from decoder_svc.snapshot import SnapshotMeta, meta_of, step_tensors, take_snapshot
+from omni_common.errors import AlreadyExistsError, InvalidArgumentError
+from omni_common.materialize import build_step, payload_tensors, sources_of, view_from_tensors
 from omni_common.shm_arena import ShmArena
 from omni_common.tensor_wire import encode_inline
 from omni_serving.v1 import common_pb2, decoder_pb2, materializer_pb2, payload_pb2
@@ -53,6 +53,8 @@ class RequestContext:
     audio_samples: int = 0
     steps: int = 0
     done: bool = False
+    # inter-stage payload pieces collected for the next AR stage, by key
+    handoff: dict[str, list[torch.Tensor]] = field(default_factory=dict)
 
     def metrics(self) -> common_pb2.RequestMetrics:
         now = time.perf_counter()
@@ -140,30 +142,29 @@ class StageRunner:
             self.gaps_s.append(t_launch - t_sampled)
 
     def _emit(self, out: StepOutput) -> None:
-        step_id = next(self._step_ids)
-        downstream = self.downstream(out.request_ids)
-        if self.decision.use_async and self.link is not None:
-            meta = take_snapshot(
-                out,
-                step_id=step_id,
-                stage_id=self.config.stage_id,
-                sources=self.sources,
-                downstream_request_ids=downstream,
-                arena=None if self.inline_transport else self.arena,
-                connector_signals=[],
-            )
-            self.link.submit(meta)
-            return
-        meta = take_snapshot(
+        meta = meta_of(
             out,
-            step_id=step_id,
+            step_id=next(self._step_ids),
             stage_id=self.config.stage_id,
-            sources=self.sources,
-            downstream_request_ids=downstream,
-            arena=None,
+            downstream_request_ids=self.downstream(out.request_ids),
             connector_signals=[],
         )
-        self.deliver(build_step(meta.local_view(None), self.plan), meta)
+        tensors = step_tensors(out, self.sources)
+        if self.decision.use_async and self.link is not None:
+            self.link.submit(take_snapshot(meta, tensors, None if self.inline_transport else self.arena))
+            return
+        # synchronous path: build here, from the step's own tensors
+        view = view_from_tensors(
+            step_id=meta.step_id,
+            stage_id=meta.stage_id,
+            request_ids=meta.request_ids,
+            spans=meta.spans,
+            num_sampled_tokens=meta.num_sampled_tokens,
+            finished_request_ids=list(meta.finished),
+            downstream_request_ids=meta.downstream_request_ids,
+            tensors=tensors,
+        )
+        self.deliver(build_step(view, self.plan), meta)
 
 
 class Code2WavWorker:
@@ -228,7 +229,8 @@ class Code2WavWorker:
 
 
 class Pipeline:
-    """Runs a profile: AR stages -> code2wav; routes outputs to request sinks."""
+    """Runs a profile: AR stages in order, then code2wav; routes outputs to
+    request sinks. Every AR stage decides its output path with the guards."""
 
     def __init__(
         self,
@@ -240,8 +242,6 @@ class Pipeline:
         arena: ShmArena | None,
         inline_transport: bool = False,
         in_process_builder: bool = False,
-        num_codebooks: int = 16,
-        codec_vocab: int = 2048,
         readiness_timeout_ms: int = 5000,
         stall_timeout_s: float = 10.0,
     ) -> None:
@@ -252,50 +252,79 @@ class Pipeline:
         self._requests: dict[str, RequestContext] = {}
         self.finished_requests = 0
         self.aborted_requests = 0
-        ar = profile.ar_stages
-        if len(ar) != 1:
-            raise InvalidArgumentError("profile", f"profile {profile.name!r} has {len(ar)} AR stages; this decoder runs one AR stage per pipeline")
-        self.ar_config = ar[0]
+        self.ar_configs = profile.ar_stages
+        if not self.ar_configs:
+            raise InvalidArgumentError("profile", f"profile {profile.name!r} has no AR stage")
+        missing = [s.name for s in self.ar_configs if s.name not in backends]
+        if missing:
+            raise InvalidArgumentError("backends", f"no engine backend for stages {missing}")
         self.gen_config = profile.stages[-1]
-        # the link exists when a materializer is configured or the in-process
-        # background builder (the seed's thread mode) is asked for
+        self._next_ar = {a.stage_id: b for a, b in itertools.pairwise(self.ar_configs)}
+        # The link exists when a materializer is configured or the in-process
+        # background builder (the seed's thread mode) is asked for.
         use_link = bool(materializer_target) or in_process_builder
-        self.decision = evaluate(self.ar_config, profile, materializer_available=use_link)
-        log_decision(self.ar_config, self.decision)
+        self.decisions = {s.stage_id: evaluate(s, profile, materializer_available=use_link) for s in self.ar_configs}
+        for s in self.ar_configs:
+            log_decision(s, self.decisions[s.stage_id])
+        async_plans = {s.stage_id: s.plan() for s in self.ar_configs if self.decisions[s.stage_id].use_async}
         self.link = (
             MaterializerLink(
                 target=materializer_target or None,
                 shm_prefix=shm_prefix,
-                plans={self.ar_config.stage_id: self.ar_config.plan()},
+                plans=async_plans,
                 arena=arena,
                 deliver=self._deliver,
                 readiness_timeout_ms=readiness_timeout_ms,
                 stall_timeout_s=stall_timeout_s,
             )
-            if self.decision.use_async
+            if async_plans
             else None
         )
-        self.runner = StageRunner(
-            self.ar_config,
-            backends[self.ar_config.name],
-            self.decision,
-            arena=arena,
-            link=self.link,
-            deliver=self._deliver,
-            downstream=self._downstream,
-            inline_transport=inline_transport,
+        self.runners = {
+            s.stage_id: StageRunner(
+                s,
+                backends[s.name],
+                self.decisions[s.stage_id],
+                arena=arena,
+                link=self.link,
+                deliver=self._deliver,
+                downstream=self._downstream,
+                inline_transport=inline_transport,
+            )
+            for s in self.ar_configs
+        }
+        talker = backends[self.ar_configs[-1].name]
+        self.code2wav = Code2WavWorker(
+            self.gen_config,
+            self._emit_audio,
+            num_codebooks=getattr(talker, "num_codebooks", 16),
+            codec_vocab=getattr(talker, "codec_vocab", 2048),
         )
-        self.code2wav = Code2WavWorker(self.gen_config, self._emit_audio, num_codebooks=num_codebooks, codec_vocab=codec_vocab)
+
+    # kept for callers that think in one AR stage
+    @property
+    def ar_config(self) -> StageConfig:
+        return self.ar_configs[0]
+
+    @property
+    def decision(self) -> GuardDecision:
+        return self.decisions[self.ar_configs[-1].stage_id]
+
+    @property
+    def runner(self) -> StageRunner:
+        return self.runners[self.ar_configs[-1].stage_id]
 
     # -- lifecycle ---------------------------------------------------------------
     def start(self) -> None:
         if self.link is not None:
             self.link.start()
         self.code2wav.start()
-        self.runner.start()
+        for runner in self.runners.values():
+            runner.start()
 
     def stop(self) -> None:
-        self.runner.stop()
+        for runner in self.runners.values():
+            runner.stop()
         if self.link is not None:
             self.link.close()
         self.code2wav.stop()
@@ -315,19 +344,21 @@ class Pipeline:
             if spec.request_id in self._requests:
                 raise AlreadyExistsError(f"request_id: {spec.request_id!r} is already running")
             self._requests[spec.request_id] = RequestContext(spec, sink)
-        self.backends[self.ar_config.name].add_request(spec)
-        self.runner.notify()
+        first = self.ar_configs[0]
+        self.backends[first.name].add_request(spec)
+        self.runners[first.stage_id].notify()
 
     def abort(self, request_id: str) -> bool:
         with self._lock:
             ctx = self._requests.pop(request_id, None)
+            if ctx is not None:
+                self.aborted_requests += 1
         if ctx is None:
             return False
         ctx.done = True
-        self.backends[self.ar_config.name].abort(request_id)
+        for s in self.ar_configs:
+            self.backends[s.name].abort(request_id)
         self.code2wav.abort(request_id)
-        with self._lock:
-            self.aborted_requests += 1
         self._send(ctx, decoder_pb2.GenerateResponse(request_id=request_id, finished=True, finish_reason="abort", metrics=ctx.metrics()))
         return True
 
@@ -341,7 +372,7 @@ class Pipeline:
             return self._requests.get(request_id)
 
     def _downstream(self, request_ids: list[str]) -> list[str]:
-        """Requests whose payload the next stage wants this step (audio ones)."""
+        """Requests whose payload the next stage wants this step (those with audio)."""
         with self._lock:
             return [rid for rid in request_ids if (c := self._requests.get(rid)) is not None and c.spec.modality.has_multimodal]
 
@@ -349,27 +380,61 @@ class Pipeline:
     def _send(ctx: RequestContext, resp: decoder_pb2.GenerateResponse) -> None:
         ctx.sink(resp)
 
-    # -- routing of materialized steps (in step order) ---------------------------
+    # -- routing of materialized steps (in step order, per stage) -------------------
     def _deliver(self, step: materializer_pb2.MaterializedStep, meta: SnapshotMeta) -> None:
-        """Route one materialized step: inter-stage payloads to code2wav,
-        client payloads to request streams, finishes downstream."""
+        """Route one materialized step.
+
+        For each request of the step:
+          1) text deltas (text stages) go to the client stream;
+          2) client payloads go to the client stream;
+          3) inter-stage payloads go to the next stage: the next AR stage's
+             conditioning, or code2wav's frames;
+          4) a finished request moves on: to the next AR stage, to code2wav's
+             flush, or it completes.
+        """
+        next_ar = self._next_ar.get(step.stage_id)
         for req in step.requests:
             ctx = self._context(req.request_id)
             if ctx is None or ctx.done:
                 continue  # aborted meanwhile
             ctx.steps += 1
+            rid = req.request_id
+            # 1) + 2)
+            delta = meta.text_deltas.get(rid)
+            if (delta is not None and ctx.spec.modality.has_text) or req.client.tensors:
+                resp = decoder_pb2.GenerateResponse(request_id=rid, stage_id=step.stage_id, metrics=ctx.metrics())
+                if delta is not None and ctx.spec.modality.has_text:
+                    resp.text_delta = delta
+                    resp.new_token_ids.extend(meta.new_token_ids.get(rid, ()))
+                if req.client.tensors:
+                    resp.multimodal_output.CopyFrom(req.client)
+                self._send(ctx, resp)
+            # 3)
             if req.inter_stage.tensors:
-                codes = payload_tensors(req.inter_stage)["codec_codes"]
-                self.code2wav.frames(req.request_id, ctx.spec.voice, codes.numpy())
-            if req.client.tensors:
-                self._send(ctx, decoder_pb2.GenerateResponse(
-                    request_id=req.request_id, stage_id=step.stage_id, multimodal_output=req.client, metrics=ctx.metrics()))
-            if req.finished:
-                reason = meta.finished.get(req.request_id, "stop")
-                if ctx.spec.modality.has_multimodal:
-                    self.code2wav.finish(req.request_id, ctx.spec.voice, reason)
+                tensors = payload_tensors(req.inter_stage)
+                if next_ar is None:
+                    self.code2wav.frames(rid, ctx.spec.voice, tensors["codec_codes"].numpy())
                 else:
-                    self._complete(ctx, decoder_pb2.GenerateResponse(request_id=req.request_id, stage_id=step.stage_id, finished=True, finish_reason=reason))
+                    for key, t in tensors.items():
+                        ctx.handoff.setdefault(key, []).append(t.clone())
+            # 4)
+            if req.finished:
+                reason = meta.finished.get(rid, "stop")
+                if not ctx.spec.modality.has_multimodal:
+                    self._complete(ctx, decoder_pb2.GenerateResponse(request_id=rid, stage_id=step.stage_id, finished=True, finish_reason=reason))
+                elif next_ar is None:
+                    self.code2wav.finish(rid, ctx.spec.voice, reason)
+                else:
+                    self._hand_to(next_ar, ctx)
+
+    def _hand_to(self, stage: StageConfig, ctx: RequestContext) -> None:
+        """Start a request on the next AR stage, conditioned on what the
+        previous stage handed over (e.g. the thinker's hidden states)."""
+        cond = {key: torch.cat(parts) for key, parts in ctx.handoff.items()}
+        ctx.handoff.clear()
+        spec = dataclasses.replace(ctx.spec, conditioning=cond, max_tokens=0)
+        self.backends[stage.name].add_request(spec)
+        self.runners[stage.stage_id].notify()
 
     def _emit_audio(self, request_id: str, audio: np.ndarray, last: bool, reason: str) -> None:
         ctx = self._context(request_id)
@@ -405,10 +470,11 @@ class Pipeline:
         for s in self.profile.stages:
             info = decoder_pb2.StageInfo(stage_id=s.stage_id, name=s.name)
             if s.kind == "ar":
+                decision = self.decisions[s.stage_id]
                 info.kind = decoder_pb2.STAGE_KIND_AR
-                info.output_path = decoder_pb2.OUTPUT_PATH_ASYNC if self.decision.use_async else decoder_pb2.OUTPUT_PATH_SYNC
-                info.reason = self.decision.reason
-                info.steps = self.runner.steps
+                info.output_path = decoder_pb2.OUTPUT_PATH_ASYNC if decision.use_async else decoder_pb2.OUTPUT_PATH_SYNC
+                info.reason = decision.reason
+                info.steps = self.runners[s.stage_id].steps
             else:
                 info.kind = decoder_pb2.STAGE_KIND_GENERATION
                 info.output_path = decoder_pb2.OUTPUT_PATH_SYNC
@@ -418,4 +484,3 @@ class Pipeline:
         return infos
 
 
-__all__ = ["Pipeline", "RequestContext", "SAMPLES_PER_FRAME", "UnavailableError"]

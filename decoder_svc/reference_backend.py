@@ -1,9 +1,12 @@
 """Deterministic reference AR backend: a test double where the engine goes.
 
-It behaves like a talker under continuous batching: requests join at any
-step (a prefill step with one hidden row per prompt token), then decode one
-codec frame per step (codebook 0 is the sampled token; a code-predictor
+As a talker it behaves like one under continuous batching: requests join at
+any step (a prefill step with one hidden row per prompt token), then decode
+one codec frame per step (codebook 0 is the sampled token; a code-predictor
 fills the other codebooks), and finish after a length fixed by the prompt.
+As a thinker it writes text (one printable byte token per step) and exposes
+hidden rows for the talker. A talker request conditioned on a thinker's
+output speaks the thinker's tokens.
 
 Every number is an integer hash of (seed, position, index), computed with
 batched int64 tensor ops, so a request's outputs never depend on which other
@@ -63,12 +66,16 @@ class ReferenceBackend:
     def __init__(
         self,
         *,
+        role: str = "talker",
         hidden_size: int = 64,
         num_codebooks: int = 16,
         codec_vocab: int = 2048,
         max_num_seqs: int = 256,
         work_per_step: int = 0,
     ) -> None:
+        if role not in ("talker", "thinker"):
+            raise ValueError(f"role must be 'talker' or 'thinker', got {role!r}")
+        self.role = role
         self.hidden_size = hidden_size
         self.num_codebooks = num_codebooks
         self.codec_vocab = codec_vocab
@@ -79,14 +86,19 @@ class ReferenceBackend:
         self._lock = threading.Lock()
         self._waiting: list[_Req] = []
         self._running: list[_Req] = []
-        self._aborted: set[str] = set()
         self._cols = torch.arange(max(hidden_size, num_codebooks), dtype=torch.int64)
 
     # -- request management (any thread) ---------------------------------------
     def add_request(self, spec: RequestSpec) -> None:
-        ids = tokenize(spec.prompt)
+        cond = spec.conditioning.get("thinker_token_ids")
+        ids = [int(x) for x in cond.reshape(-1).tolist()] if cond is not None else tokenize(spec.prompt)
+        if self.role == "thinker":
+            n = 8 + len(ids) // 2
+            target = min(n, spec.max_tokens) if spec.max_tokens > 0 else n
+        else:
+            target = frames_for(ids, spec.max_tokens)
         with self._lock:
-            self._waiting.append(_Req(spec, ids, frames_for(ids, spec.max_tokens)))
+            self._waiting.append(_Req(spec, ids, target))
 
     def abort(self, request_id: str) -> bool:
         with self._lock:
@@ -136,9 +148,21 @@ class ReferenceBackend:
         tok_pos = torch.arange(int(qsl[-1]), dtype=torch.int64) - starts + torch.repeat_interleave(frame_pos, counts) * 100_000
         # 2) forward: hidden rows for every scheduled token
         hidden = self._hidden(tok_seed, tok_pos)
-        # 3) sample + code predictor: one frame of codes per request
-        codes = self._hash(seeds, frame_pos, 99, self.num_codebooks) % self.codec_vocab
-        sampled = codes[:, :1].clone()
+        # 3) sample (+ code predictor for the talker: one frame of codes per request)
+        mm_outputs: dict[str, tuple[torch.Tensor, int]] = {}
+        text_deltas: dict[str, str] = {}
+        new_token_ids: dict[str, list[int]] = {}
+        if self.role == "talker":
+            codes = self._hash(seeds, frame_pos, 99, self.num_codebooks) % self.codec_vocab
+            sampled = codes[:, :1].clone()
+            mm_outputs["codec_codes"] = (codes, PER_REQUEST)
+        else:
+            # printable text: lowercase letters and spaces
+            sampled = (self._hash(seeds, frame_pos, 5, 1) % 27 + 97).clone()
+            sampled[sampled == 123] = 32
+            for r, tok in zip(batch, sampled[:, 0].tolist(), strict=True):
+                text_deltas[r.spec.request_id] = chr(tok)
+                new_token_ids[r.spec.request_id] = [tok]
         # 4) update decode state (eager postprocess: the next step needs it)
         finished: dict[str, str] = {}
         with self._lock:
@@ -156,8 +180,10 @@ class ReferenceBackend:
             query_start_loc=qsl,
             sampled_token_ids=sampled,
             hidden_states=hidden,
-            mm_outputs={"codec_codes": (codes, PER_REQUEST)},
+            mm_outputs=mm_outputs,
             finished=finished,
+            text_deltas=text_deltas,
+            new_token_ids=new_token_ids,
         )
 
     def embed(self, spec: RequestSpec) -> torch.Tensor:

@@ -51,7 +51,10 @@ def build_backends(args: argparse.Namespace, profile) -> dict:
     if args.engine == "reference":
         from decoder_svc.reference_backend import ReferenceBackend
 
-        return {s.name: ReferenceBackend(max_num_seqs=args.max_num_seqs) for s in profile.ar_stages}
+        return {
+            s.name: ReferenceBackend(role=s.engine_role or s.name, max_num_seqs=args.max_num_seqs)
+            for s in profile.ar_stages
+        }
     raise SystemExit("--engine vllm is not available in this build; use --engine reference")
 
 

@@ -45,6 +45,7 @@ class SnapshotMeta:
     tensors: dict[str, tuple[torch.Tensor, int]] = field(default_factory=dict)  # detached, slot-less
     lease: SlotLease | None = None
     text_deltas: dict[str, str] = field(default_factory=dict)
+    new_token_ids: dict[str, list[int]] = field(default_factory=dict)
     created_s: float = field(default_factory=time.perf_counter)
 
     # -- off the critical path -------------------------------------------------
@@ -109,23 +110,16 @@ def step_tensors(out: StepOutput, sources: set[str]) -> dict[str, tuple[torch.Te
     return tensors
 
 
-def take_snapshot(
+def meta_of(
     out: StepOutput,
     *,
     step_id: int,
     stage_id: int,
-    sources: set[str],
     downstream_request_ids: list[str],
-    arena: ShmArena | None,
     connector_signals: list[snapshot_pb2.ConnectorSignal],
-    acquire_timeout_s: float | None = None,
 ) -> SnapshotMeta:
-    """Snapshot one step (critical path): copy routed tensors into a slot.
-
-    Blocks while every slot is held (backpressure). Without an arena, or if
-    the step does not fit one slot, tensors are cloned instead.
-    """
-    meta = SnapshotMeta(
+    """The step's metadata, detached from the runner's live state (no tensors)."""
+    return SnapshotMeta(
         step_id=step_id,
         stage_id=stage_id,
         request_ids=out.request_ids,
@@ -137,8 +131,23 @@ def take_snapshot(
         downstream_request_ids=downstream_request_ids,
         connector_signals=connector_signals,
         text_deltas=out.text_deltas,
+        new_token_ids=out.new_token_ids,
     )
-    tensors = step_tensors(out, sources)
+
+
+def take_snapshot(
+    meta: SnapshotMeta,
+    tensors: dict[str, tuple[torch.Tensor, int]],
+    arena: ShmArena | None,
+    acquire_timeout_s: float | None = None,
+) -> SnapshotMeta:
+    """Attach the step's tensors to `meta` (critical path): copy them into a
+    free arena slot, one memcpy each, and mark the slot ready.
+
+    Blocks while every slot is held (backpressure). Without an arena, or if
+    the step does not fit one slot, the tensors are cloned instead (they then
+    travel inline).
+    """
     if arena is not None:
         need = sum(t.numel() * t.element_size() + 64 for t, _ in tensors.values())
         if need <= arena.slot_bytes:

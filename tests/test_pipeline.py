@@ -1,0 +1,197 @@
+"""The decoder's pipeline in-process: paths agree, backpressure bounds memory,
+failures of the materializer cost no request."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import pytest
+import torch
+
+from decoder_svc.backend import RequestSpec
+from decoder_svc.pipeline import Pipeline
+from decoder_svc.profile import load_profile
+from decoder_svc.reference_backend import ReferenceBackend
+from gateway.audio import pcm16le
+from materializer_svc.reference import ReferenceMaterializer
+from materializer_svc.registry import MaterializerConfig
+from omni_common.materialize import payload_tensors
+from omni_common.modality import OutputModality
+from omni_common.server import ServerConfig, build_server
+from omni_common.shm_arena import ShmArena, list_segments
+from omni_serving.v1 import materializer_pb2_grpc
+from tests.speech_helpers import digest
+
+
+class Collector:
+    def __init__(self) -> None:
+        self.audio: dict[str, list[torch.Tensor]] = {}
+        self.text: dict[str, str] = {}
+        self.finish: dict[str, str] = {}
+        self.done = threading.Condition()
+
+    def sink_for(self, rid: str):
+        def sink(resp) -> None:
+            if resp.multimodal_output.tensors:
+                self.audio.setdefault(rid, []).append(payload_tensors(resp.multimodal_output)["audio"].clone())
+            if resp.text_delta:
+                self.text[rid] = self.text.get(rid, "") + resp.text_delta
+            if resp.finished:
+                with self.done:
+                    self.finish[rid] = resp.finish_reason
+                    self.done.notify_all()
+
+        return sink
+
+    def wait(self, n: int, timeout: float = 60) -> None:
+        with self.done:
+            assert self.done.wait_for(lambda: len(self.finish) >= n, timeout), f"only {len(self.finish)}/{n} finished"
+
+    def digests(self) -> dict[str, tuple[str, str]]:
+        return {rid: (digest(pcm16le(self.audio.get(rid, []))), self.text.get(rid, "")) for rid in self.finish}
+
+
+def backends(profile):
+    return {s.name: ReferenceBackend(role=s.engine_role) for s in profile.ar_stages}
+
+
+def run_batch(profile_name: str, *, n: int = 8, modality: str = "audio", **kw) -> tuple[dict, Pipeline]:
+    profile = load_profile(profile_name)
+    pipeline = Pipeline(profile, backends(profile), shm_prefix="omni-pipetest", **kw)
+    pipeline.start()
+    col = Collector()
+    try:
+        for i in range(n):
+            rid = f"r{i}"
+            pipeline.submit(
+                RequestSpec(request_id=rid, prompt=f"request number {i} says hello", seed=100 + i,
+                            modality=OutputModality.from_string(modality)),
+                col.sink_for(rid),
+            )
+        col.wait(n)
+    finally:
+        pipeline.stop()
+    return col.digests(), pipeline
+
+
+@pytest.mark.parametrize(("profile", "modality"), [("tts", "audio"), ("omni", "text+audio"), ("omni", "text")])
+def test_async_in_process_builder_equals_sync(profile, modality):
+    sync, p_sync = run_batch(profile, modality=modality, materializer_target=None, arena=None)
+    assert not any(d.use_async for d in p_sync.decisions.values())
+    with ShmArena("omni-pipetest", 8, 1 << 20) as arena:
+        asyn, p_async = run_batch(profile, modality=modality, materializer_target=None, arena=arena,
+                                  in_process_builder=True)
+    assert all(d.use_async for d in p_async.decisions.values())
+    assert sync == asyn, f"sync and async outputs differ: {sync=}, {asyn=}"
+    assert all(v[0] != digest(b"") for v in sync.values()) == OutputModality.from_string(modality).has_multimodal
+    if "text" in modality:
+        assert all(v[1] for v in sync.values()), "text modality produced no text"
+
+
+class SlowFakeMaterializer(ReferenceMaterializer):
+    """Test double: the reference materializer sleeping 50 ms per step."""
+
+    async def Materialize(self, request_iterator, context):
+        async for resp in super().Materialize(request_iterator, context):
+            await asyncio.sleep(0.05)
+            yield resp
+
+
+class ServerThread:
+    """A real grpc.aio server on a UDS, on its own event loop thread."""
+
+    def __init__(self, address: str, servicer) -> None:
+        self.loop = asyncio.new_event_loop()
+        self.started = threading.Event()
+        self.address = address
+        self.servicer = servicer
+        self.thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        asyncio.set_event_loop(self.loop)
+
+        async def main() -> None:
+            def register(server) -> None:
+                materializer_pb2_grpc.add_MaterializerServiceServicer_to_server(self.servicer, server)
+
+            self.stopping = asyncio.Event()
+            server, self.target, _ = await build_server(ServerConfig(address=self.address, service_name="m"), register)
+            self.started.set()
+            await self.stopping.wait()
+            await server.stop(0)
+
+        self.loop.run_until_complete(main())
+
+    def __enter__(self) -> ServerThread:
+        self.thread.start()
+        assert self.started.wait(10)
+        return self
+
+    def stop(self) -> None:
+        self.loop.call_soon_threadsafe(self.stopping.set)
+        self.thread.join(15)
+        assert not self.thread.is_alive(), "materializer test server did not stop"
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def test_slow_materializer_backpressure_not_unbounded(tmp_path):
+    """Steps keep launching while the materializer lags, until every slot is
+    held; then the step waits (bounded memory); nothing is lost."""
+    sync, _ = run_batch("tts", materializer_target=None, arena=None)
+    slots = 4
+    with ServerThread(f"unix://{tmp_path}/m.sock", SlowFakeMaterializer(MaterializerConfig(shm_prefix="omni-pipetest"))) as srv, \
+            ShmArena("omni-pipetest", slots, 1 << 20) as arena:
+        profile = load_profile("tts")
+        pipeline = Pipeline(profile, backends(profile), materializer_target=srv.target, shm_prefix="omni-pipetest", arena=arena)
+        pipeline.start()
+        col = Collector()
+        for i in range(8):
+            pipeline.submit(RequestSpec(request_id=f"r{i}", prompt=f"request number {i} says hello", seed=100 + i,
+                                        modality=OutputModality.AUDIO), col.sink_for(f"r{i}"))
+        # the decode loop runs ahead of the materializer (lagged consumption) ...
+        deadline = time.monotonic() + 5
+        while time.monotonic() < deadline and pipeline.runner.steps < slots:
+            time.sleep(0.01)
+        ahead = pipeline.runner.steps - pipeline.link.remote_steps
+        assert ahead >= slots - 1, f"decode did not run ahead of a slow materializer: {pipeline.runner.steps=} {pipeline.link.remote_steps=}"
+        # ... but never by more than the arena holds
+        col.wait(8)
+        pipeline.stop()
+        assert arena.peak_in_use == slots, f"{arena.peak_in_use=}, want the arena full ({slots})"
+        assert pipeline.link.in_flight_peak <= slots, f"{pipeline.link.in_flight_peak=} > {slots} slots"
+        assert pipeline.link.fallback_steps == 0
+    assert col.digests() == sync
+
+
+class FailingFakeMaterializer(ReferenceMaterializer):
+    """Test double: answers every third step with a StepError, then dies after step 12."""
+
+    async def Materialize(self, request_iterator, context):
+        n = 0
+        async for resp in super().Materialize(request_iterator, context):
+            n += 1
+            if n == 12:
+                await context.abort(__import__("grpc").StatusCode.INTERNAL, "fake crash")
+            if n % 3 == 0:
+                step = resp.step
+                resp.Clear()
+                resp.error.step_id = step.step_id
+                resp.error.stage_id = step.stage_id
+                resp.error.code = 13
+                resp.error.message = "fake failure"
+            yield resp
+
+
+def test_materializer_errors_and_death_cost_no_request(tmp_path):
+    sync, _ = run_batch("tts", materializer_target=None, arena=None)
+    with ServerThread(f"unix://{tmp_path}/m.sock", FailingFakeMaterializer(MaterializerConfig(shm_prefix="omni-pipetest"))) as srv, \
+            ShmArena("omni-pipetest", 8, 1 << 20) as arena:
+        got, pipeline = run_batch("tts", materializer_target=srv.target, arena=arena)
+        assert pipeline.link.fallback_steps > 0
+        assert arena.in_use == 0, "slots leaked after failover"
+    assert got == sync
+    assert list_segments("omni-pipetest") == []
