@@ -8,7 +8,9 @@ its reason are logged once per stage and reported by GetDecoderInfo.
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from decoder_svc.profile import Profile, StageConfig
 
@@ -21,16 +23,31 @@ class GuardDecision:
     reason: str
 
 
-def evaluate(stage: StageConfig, profile: Profile, *, materializer_available: bool) -> GuardDecision:
-    """Decide the output path of one AR stage. First failing check wins."""
+def evaluate(
+    stage: StageConfig,
+    profile: Profile,
+    *,
+    materializer_available: bool,
+    engine_facts: Mapping[str, Any] | None = None,
+) -> GuardDecision:
+    """Decide the output path of one AR stage. First failing check wins.
+
+    `engine_facts` (from a backend's `engine_facts()`) are what the engine
+    was actually built with; they win over the profile's stage settings.
+    """
+    facts = dict(engine_facts or {})
+    async_scheduling = bool(facts.get("async_scheduling", stage.async_scheduling))
+    speculative = bool(facts.get("speculative_decoding", stage.speculative_decoding))
+    routed = bool(facts.get("routed_experts", stage.routed_experts))
+    postprocess = str(facts.get("postprocess", stage.postprocess))
     checks = (
         (stage.kind == "ar", "not an AR stage"),
-        (stage.async_scheduling, "async scheduling is off for this stage"),
+        (async_scheduling, "async scheduling is off for this stage"),
         (profile.async_chunk, "async_chunk is off in the profile"),
         (stage.use_async_output, "the stage does not opt in to async output"),
-        (not stage.speculative_decoding, "speculative decoding is on (its state is not snapshotted)"),
-        (not stage.routed_experts, "routed-expert output needs the synchronous path"),
-        (stage.postprocess in ("none", "eager"), "postprocess is deferred (the next step needs its state)"),
+        (not speculative, "speculative decoding is on (its state is not snapshotted)"),
+        (not routed, "routed-expert output needs the synchronous path"),
+        (postprocess in ("none", "eager"), "postprocess is deferred (the next step needs its state)"),
         (materializer_available, "no materializer configured"),
     )
     for ok, why in checks:

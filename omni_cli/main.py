@@ -41,6 +41,27 @@ def _cmd_speak(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_models_create(args: argparse.Namespace) -> int:
+    from decoder_svc.vllm_engine.profiles import create_profile_models
+
+    dirs = create_profile_models(args.profile, Path(args.dir), seed=args.seed)
+    for stage, path in dirs.items():
+        print(f"{stage}: {path}")
+    return 0
+
+
+def _cmd_conformance(args: argparse.Namespace) -> int:
+    from materializer_svc.conformance import main as conformance_main
+
+    return int(conformance_main(args.rest) or 0)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from bench.cli import main as bench_main
+
+    return int(bench_main(args.rest) or 0)
+
+
 def _delegate(module: str):
     def run(args: argparse.Namespace) -> int:
         import importlib
@@ -56,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     up = sub.add_parser("up", help="start decoder, materializer and gateway; Ctrl-C stops them")
     up.add_argument("--profile", default="tts")
-    up.add_argument("--engine", choices=("vllm", "reference"), default="reference")
+    up.add_argument("--engine", choices=("vllm", "reference"), default="vllm",
+                    help="AR engine: vllm (default; tiny models are created on first run) or reference")
     up.add_argument("--materializer-impl", default="reference")
     up.add_argument("--model-dir", default="")
     up.add_argument("--host", default="127.0.0.1")
@@ -78,6 +100,22 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--http-url", default="http://127.0.0.1:8000")
     sp.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
     sp.set_defaults(func=_cmd_speak)
+
+    models = sub.add_parser("models", help="local model checkpoints")
+    msub = models.add_subparsers(dest="models_command", required=True)
+    mc = msub.add_parser("create", help="write small random-weight checkpoints vLLM loads from a path")
+    mc.add_argument("--profile", default="tts", help="tts (talker) or omni (thinker + talker)")
+    mc.add_argument("--seed", type=int, default=0)
+    mc.add_argument("dir", help="output folder (one subfolder per AR stage)")
+    mc.set_defaults(func=_cmd_models_create)
+
+    bench = sub.add_parser("bench", help="benchmarks: step-gap, handoff, e2e (see --help)", add_help=False)
+    bench.add_argument("rest", nargs=argparse.REMAINDER)
+    bench.set_defaults(func=_cmd_bench)
+
+    conf = sub.add_parser("conformance", help="run the materializer conformance kit (see --help)", add_help=False)
+    conf.add_argument("rest", nargs=argparse.REMAINDER)
+    conf.set_defaults(func=_cmd_conformance)
 
     for name, module in (("decoder", "decoder_svc"), ("materializer", "materializer_svc"), ("gateway", "gateway")):
         p = sub.add_parser(name, help=f"run {module} (arguments as `python -m {module} --help`)", add_help=False)

@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 VENV=${VENV:-.venv}
-EXTRAS=${OMNI_EXTRAS:-dev}
+EXTRAS=${OMNI_EXTRAS:-dev,cpu}
 
 "$PYTHON" -c 'import sys; assert sys.version_info >= (3, 11), "Python >= 3.11 is required"'
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"

@@ -8,8 +8,10 @@ functions of the submodules:
 - :mod:`.models`       -- ``create_model()``: tiny random-weight local checkpoints.
 - :mod:`.runner_hook`  -- ``make_engine()``, ``install_step_callback()``,
   ``StepCapture``: per-decode-step access to the model runner.
-- :mod:`.probe_runner_hook` -- runnable proof / measurements
-  (``/work/vllm-venv/bin/python -m decoder_svc.vllm_engine.probe_runner_hook``).
+- :mod:`.backend`      -- ``VLLMBackend``: the ``ARBackend`` of one AR stage
+  (talker / thinker) on an in-process engine; ``engine_facts()``.
+- :mod:`.profiles`     -- ``create_profile_models()`` / ``build_backends()``
+  for a deploy profile (tts, omni).
 """
 
 VLLM_PINNED_VERSION = "0.32.0"

@@ -1,0 +1,1 @@
+"""Benchmarks: step gap, handoff, end to end, memory (`omni-serving bench`)."""

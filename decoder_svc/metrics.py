@@ -1,0 +1,27 @@
+"""The decoder's Prometheus series."""
+
+from __future__ import annotations
+
+from prometheus_client import Counter, Gauge, Histogram
+
+# 10 us .. 1 s: the step gap of an async stage is tens of microseconds; an
+# inline build can take milliseconds.
+_GAP_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0)
+
+STEP_GAP = Histogram(
+    "omni_decoder_step_gap_seconds",
+    "Critical-path time between sampling a step and launching the next one",
+    ["stage"],
+    buckets=_GAP_BUCKETS,
+)
+STEP_TIME = Histogram(
+    "omni_decoder_step_seconds", "Time of one decode step (forward + sample)", ["stage"], buckets=_GAP_BUCKETS
+)
+STEPS = Counter("omni_decoder_steps_total", "Decode steps run", ["stage", "path"])
+MATERIALIZER_LAG = Gauge("omni_decoder_materializer_lag_steps", "Steps sent to the materializer and not yet answered")
+SLOTS_IN_USE = Gauge("omni_decoder_arena_slots_in_use", "Shared-memory arena slots held")
+FALLBACK_STEPS = Counter(
+    "omni_decoder_fallback_steps_total", "Steps built in-process because the materializer could not", ["reason"]
+)
+REQUESTS = Counter("omni_decoder_requests_total", "Requests that ended, by outcome", ["outcome"])
+ACTIVE_REQUESTS = Gauge("omni_decoder_active_requests", "Requests running")

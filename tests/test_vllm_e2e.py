@@ -1,0 +1,97 @@
+"""The real stack on the vLLM engine: async (materializer) and sync paths agree."""
+
+from __future__ import annotations
+
+import concurrent.futures
+import subprocess
+import sys
+import wave
+
+import grpc
+import pytest
+
+from omni_cli.launcher import Stack, StackConfig
+from omni_serving.v1 import common_pb2, decoder_pb2, decoder_pb2_grpc, gateway_pb2, gateway_pb2_grpc
+from tests.speech_helpers import check_chunks, digest, speak_chunks
+
+pytest.importorskip("vllm")
+pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
+
+PROMPTS = [(f"sentence number {i} for the speech engine", 1000 + i) for i in range(8)]
+
+
+def start(tmp_path_factory, profile: str, sync: bool) -> Stack:
+    models = tmp_path_factory.getbasetemp() / f"models-{profile}"
+    stack = Stack(StackConfig(engine="vllm", profile=profile, model_dir=str(models), sync=sync, port=0, http_port=0,
+                              runtime_dir=str(tmp_path_factory.mktemp("rt")), log_level="WARNING"))
+    stack.start(timeout_s=300)
+    return stack
+
+
+def decoder_info(stack: Stack) -> decoder_pb2.GetDecoderInfoResponse:
+    with grpc.insecure_channel(stack.decoder_target) as ch:
+        return decoder_pb2_grpc.DecoderServiceStub(ch).GetDecoderInfo(decoder_pb2.GetDecoderInfoRequest())
+
+
+def speak_all(stack: Stack) -> dict[str, str]:
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        results = list(pool.map(lambda p: speak_chunks(stack.gateway_target, p[0], p[1]), PROMPTS))
+    return {text: digest(check_chunks(chunks)) for (text, _), chunks in zip(PROMPTS, results, strict=True)}
+
+
+def generate_all(stack: Stack) -> dict[str, tuple[str, str]]:
+    def one(p):
+        text, seed = p
+        with grpc.insecure_channel(stack.gateway_target) as ch:
+            stub = gateway_pb2_grpc.OmniGatewayServiceStub(ch)
+            req = gateway_pb2.OmniGatewayServiceGenerateRequest(
+                prompt=text, output_modalities="text+audio", output_kind=gateway_pb2.OUTPUT_KIND_FINAL_ONLY,
+                sampling_params=common_pb2.SamplingParams(seed=seed, temperature=0.8, max_tokens=24))
+            outs = [r.output for r in stub.Generate(req, timeout=300)]
+        final = outs[-1]
+        assert final.finished, f"{text!r} did not finish"
+        audio = b"".join(t.tensor.inline_data for t in final.multimodal.tensors if t.name == "audio")
+        return final.text.text, digest(audio)
+
+    with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
+        return dict(zip((p[0] for p in PROMPTS), pool.map(one, PROMPTS), strict=True))
+
+
+def test_tts_async_equals_sync_and_speak_cli_writes_wav(tmp_path_factory, tmp_path):
+    stack = start(tmp_path_factory, "tts", sync=False)
+    try:
+        got_async = speak_all(stack)
+        info = decoder_info(stack)
+        assert info.engine == "vllm"
+        assert info.stages[0].output_path == decoder_pb2.OUTPUT_PATH_ASYNC, info.stages[0].reason
+        assert info.fallback_steps == 0 and info.materializer_connected
+        out = tmp_path / "hello.wav"
+        subprocess.run([sys.executable, "-m", "omni_cli.main", "speak", "Hello there", "-o", str(out), "-q",
+                        "--target", stack.gateway_target], check=True, timeout=300)
+        with wave.open(str(out)) as w:
+            assert (w.getnchannels(), w.getsampwidth(), w.getframerate()) == (1, 2, 24000)
+            assert w.getnframes() > 0
+    finally:
+        assert stack.stop() == []
+    stack = start(tmp_path_factory, "tts", sync=True)
+    try:
+        got_sync = speak_all(stack)
+        assert decoder_info(stack).stages[0].output_path == decoder_pb2.OUTPUT_PATH_SYNC
+    finally:
+        assert stack.stop() == []
+    assert got_async == got_sync, f"async and sync audio differ: {got_async=}, {got_sync=}"
+
+
+def test_omni_text_and_audio_async_equals_sync(tmp_path_factory):
+    results = {}
+    for sync in (False, True):
+        stack = start(tmp_path_factory, "omni", sync=sync)
+        try:
+            results[sync] = generate_all(stack)
+            paths = {s.name: s.output_path for s in decoder_info(stack).stages}
+            want = decoder_pb2.OUTPUT_PATH_SYNC if sync else decoder_pb2.OUTPUT_PATH_ASYNC
+            assert paths["thinker"] == want and paths["talker"] == want, paths
+        finally:
+            assert stack.stop() == []
+    assert all(text for text, _ in results[False].values()), "no text produced"
+    assert results[False] == results[True], f"async and sync differ: {results=}"
