@@ -30,6 +30,7 @@ from decoder_svc.code2wav import (
     ChunkState,
     ReferenceVocoder,
 )
+from decoder_svc.cuda_staging import CudaStaging
 from decoder_svc.guards import GuardDecision, evaluate, log_decision
 from decoder_svc.materializer_link import MaterializerLink
 from decoder_svc.profile import Profile, StageConfig
@@ -109,6 +110,7 @@ class StageRunner:
         self._stop = False
         self._thread = threading.Thread(target=self._loop, name=f"stage-{config.name}", daemon=True)
         self._step_ids = itertools.count(1)
+        self._staging: CudaStaging | None = None  # created at the first CUDA step
         self._m_gap = metrics.STEP_GAP.labels(config.name)
         self._m_step = metrics.STEP_TIME.labels(config.name)
         self._m_steps = metrics.STEPS.labels(config.name, "async" if decision.use_async else "sync")
@@ -125,6 +127,8 @@ class StageRunner:
             self._stop = True
             self._wake.notify()
         self._thread.join(timeout=30)
+        if self._staging is not None:
+            self._staging.close()
 
     def _loop(self) -> None:
         while True:
@@ -158,7 +162,10 @@ class StageRunner:
         )
         tensors = step_tensors(out, self.sources)
         if self.decision.use_async and self.link is not None:
-            self.link.submit(take_snapshot(meta, tensors, None if self.inline_transport else self.arena))
+            arena = None if self.inline_transport else self.arena
+            if arena is not None and self._staging is None and any(t.is_cuda for t, _ in tensors.values()):
+                self._staging = CudaStaging(arena)
+            self.link.submit(take_snapshot(meta, tensors, arena, staging=self._staging))
             return
         # synchronous path: build here, from the step's own tensors
         view = view_from_tensors(

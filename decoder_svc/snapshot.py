@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 import torch
 
 from decoder_svc.backend import StepOutput
+from decoder_svc.cuda_staging import CudaStaging
 from omni_common.errors import ResourceExhaustedError
 from omni_common.materialize import HIDDEN_STATES, SAMPLED_TOKEN_IDS, StepView, view_from_tensors
 from omni_common.shm_arena import ShmArena, SlotLease
@@ -78,6 +79,8 @@ class SnapshotMeta:
     def local_view(self, arena: ShmArena | None) -> StepView:
         """A StepView over this snapshot's own tensors (in-process fallback)."""
         tensors = dict(self.tensors)
+        if self.lease is not None and arena is not None:
+            arena.wait_ready(self.lease.slot, self.lease.generation, timeout_s=30.0)
         for name, (ref, layout) in self.handles.items():
             assert arena is not None and ref.shm.region == arena.name
             nbytes = ref.shm.byte_size
@@ -140,25 +143,30 @@ def take_snapshot(
     tensors: dict[str, tuple[torch.Tensor, int]],
     arena: ShmArena | None,
     acquire_timeout_s: float | None = None,
+    staging: CudaStaging | None = None,
 ) -> SnapshotMeta:
     """Attach the step's tensors to `meta` (critical path): copy them into a
     free arena slot, one memcpy each, and mark the slot ready.
 
     Blocks while every slot is held (backpressure). Without an arena, or if
     the step does not fit one slot, the tensors are cloned instead (they then
-    travel inline).
+    travel inline). With `staging` (CUDA hosts) the copies are only enqueued
+    and the slot is marked ready when they complete.
     """
     if arena is not None:
         need = sum(t.numel() * t.element_size() + 64 for t, _ in tensors.values())
         if need <= arena.slot_bytes:
             lease = arena.acquire(acquire_timeout_s)
             try:
-                for name, (t, layout) in tensors.items():
-                    meta.handles[name] = (lease.write(t), layout)
+                if staging is not None:
+                    meta.handles = staging.write(lease, tensors)
+                else:
+                    for name, (t, layout) in tensors.items():
+                        meta.handles[name] = (lease.write(t), layout)
+                    lease.mark_ready()
             except ResourceExhaustedError:
                 arena.release(lease.slot, lease.generation)
                 raise
-            lease.mark_ready()
             meta.lease = lease
             return meta
     meta.tensors = {name: (t.detach().clone(), layout) for name, (t, layout) in tensors.items()}
