@@ -141,10 +141,13 @@ class SlotLease:
     def fits(self, nbytes: int) -> bool:
         return _align(self._cursor) + nbytes <= self.arena.slot_bytes
 
-    def write(self, tensor: torch.Tensor) -> tensor_pb2.TensorRef:
+    def write(self, tensor: torch.Tensor, *, non_blocking: bool = False) -> tensor_pb2.TensorRef:
         """Copy `tensor` into the slot (one memcpy); return its handle.
 
-        Raises ResourceExhaustedError if the slot has no room left.
+        For a CUDA tensor with `non_blocking=True` the copy is only enqueued
+        on the current stream (the arena must be pinned; the caller marks the
+        slot ready after the copy's event). Raises ResourceExhaustedError if
+        the slot has no room left.
         """
         t = tensor.detach()
         nbytes = t.numel() * t.element_size()
@@ -157,7 +160,7 @@ class SlotLease:
         offset = self.arena.slot_offset(self.slot) + start
         if nbytes:
             dst = self.arena.data_view(offset, nbytes).view(t.dtype).view(t.shape)
-            dst.copy_(t)
+            dst.copy_(t, non_blocking=non_blocking)
         self._cursor = start + nbytes
         return tensor_pb2.TensorRef(
             dtype=proto_dtype_of(t.dtype),
@@ -255,6 +258,18 @@ class ShmArena:
     def _set_ready(self, slot: int, generation: int) -> None:
         struct.pack_into("<Q", self._mm, HEADER_BYTES + slot * ENTRY_BYTES + 8, generation)
 
+    def is_ready(self, slot: int, generation: int) -> bool:
+        gen, ready = ENTRY.unpack_from(self._mm, HEADER_BYTES + slot * ENTRY_BYTES)
+        return gen == generation and ready == generation
+
+    def wait_ready(self, slot: int, generation: int, timeout_s: float) -> None:
+        """Writer side: wait for a slot's pending copy (CUDA staging) to land."""
+        deadline = time.monotonic() + timeout_s
+        while not self.is_ready(slot, generation):
+            if time.monotonic() >= deadline:
+                raise DeadlineExceededError(f"slot {slot} generation {generation} not ready within {timeout_s}s")
+            time.sleep(50e-6)
+
     def release(self, slot: int, generation: int) -> bool:
         """Give a slot back. False if it was not held at that generation."""
         with self._cond:
@@ -300,8 +315,11 @@ class ShmArena:
 
 
 class _MappedRegion:
-    def __init__(self, name: str, mm: mmap.mmap, num_slots: int, slot_bytes: int, data_offset: int) -> None:
+    def __init__(
+        self, name: str, mm: mmap.mmap, num_slots: int, slot_bytes: int, data_offset: int, identity: tuple[int, int] = (0, 0)
+    ) -> None:
         self.name = name
+        self.identity = identity  # (st_dev, st_ino) of the segment when it was mapped
         self.mm = mm
         self.size = len(mm)
         self.num_slots = num_slots
@@ -317,8 +335,12 @@ class ArenaReader:
 
     Error table (code: case):
       INVALID_ARGUMENT   region name malformed or path-like; offset + byte_size
-                         overflows 64 bits
-      PERMISSION_DENIED  region outside this deployment's prefix
+                         overflows 64 bits; the segment is not an arena (bad
+                         magic, version or header); byte_size differs from
+                         prod(shape) * itemsize (checked before the reader, by
+                         tensor_wire.validate_ref)
+      PERMISSION_DENIED  region outside this deployment's prefix, or not
+                         readable by this process
       NOT_FOUND          no such region (segment gone or never existed)
       OUT_OF_RANGE       slot index, offset, or offset + byte_size outside the
                          region or outside the named slot
@@ -345,12 +367,20 @@ class ArenaReader:
             mapped = self._regions.get(region)
             if mapped is not None:
                 return mapped
+            # A miss is the moment to drop mappings of segments that are gone
+            # (their writer exited): otherwise their memory is never freed.
+            self._prune_locked()
             try:
                 fd = os.open(SHM_DIR / region, os.O_RDONLY)
             except FileNotFoundError:
                 raise NotFoundError(f"{field}: unknown region {region!r}") from None
+            except PermissionError:
+                raise PermissionDeniedError(f"{field}: region {region!r} is not readable by this process") from None
+            except OSError as exc:
+                raise InvalidArgumentError(field, f"region {region!r} cannot be opened: {exc.strerror}") from None
             try:
-                size = os.fstat(fd).st_size
+                st = os.fstat(fd)
+                size = st.st_size
                 if size < HEADER_BYTES:
                     raise InvalidArgumentError(field, f"region {region!r} is not an arena ({size} bytes)")
                 mm = mmap.mmap(fd, size, mmap.MAP_SHARED, mmap.PROT_READ)
@@ -360,7 +390,11 @@ class ArenaReader:
             if magic != MAGIC or version != VERSION:
                 mm.close()
                 raise InvalidArgumentError(field, f"region {region!r} is not an arena of version {VERSION}")
-            mapped = _MappedRegion(region, mm, num_slots, slot_bytes, data_offset)
+            if data_offset < HEADER_BYTES + ENTRY_BYTES * num_slots or data_offset + num_slots * slot_bytes > size:
+                # A corrupt header must not steer reads of the slot table.
+                mm.close()
+                raise InvalidArgumentError(field, f"region {region!r} has an inconsistent arena header")
+            mapped = _MappedRegion(region, mm, num_slots, slot_bytes, data_offset, (st.st_dev, st.st_ino))
             self._regions[region] = mapped
             return mapped
 
@@ -431,6 +465,30 @@ class ArenaReader:
                 except BufferError:
                     logger.debug("region %s still referenced at close", mapped.name)
             self._regions.clear()
+
+    def prune(self) -> list[str]:
+        """Drop mappings of segments that were unlinked (or replaced) since
+        they were mapped; return their names."""
+        with self._lock:
+            return self._prune_locked()
+
+    def _prune_locked(self) -> list[str]:
+        gone = []
+        for name, mapped in list(self._regions.items()):
+            try:
+                st = os.stat(SHM_DIR / name)
+                alive = (st.st_dev, st.st_ino) == mapped.identity
+            except FileNotFoundError:
+                alive = False
+            if not alive:
+                gone.append(name)
+                del self._regions[name]
+                try:
+                    mapped.mm.close()
+                except BufferError:
+                    # A reader still holds a view; the mapping goes with it.
+                    logger.debug("region %s still referenced while pruned", name)
+        return gone
 
     def forget(self, region: str) -> None:
         """Drop a cached mapping (its writer went away)."""
