@@ -18,11 +18,13 @@ from omni_common.modality import OutputModality
 from omni_serving.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 
-def speak_chunks(target: str, text: str, seed: int, request_id: str = "") -> list[gateway_pb2.SpeakResponse]:
+def speak_chunks(
+    target: str, text: str, seed: int, request_id: str = "", voice: str = ""
+) -> list[gateway_pb2.SpeakResponse]:
     with grpc.insecure_channel(target) as channel:
         stub = gateway_pb2_grpc.OmniGatewayServiceStub(channel)
         req = gateway_pb2.SpeakRequest(
-            request_id=request_id, text=text, sampling_params=common_pb2.SamplingParams(seed=seed)
+            request_id=request_id, text=text, voice=voice, sampling_params=common_pb2.SamplingParams(seed=seed)
         )
         return list(stub.Speak(req, timeout=120))
 

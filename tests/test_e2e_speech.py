@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import concurrent.futures
+import time
 
 import grpc
 import pytest
@@ -63,3 +64,39 @@ def test_empty_speak_text_is_invalid_argument(stack):
         speak_chunks(stack.gateway_target, "", 1)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "text" in err.value.details()
+
+
+def _decoder_info(stack) -> decoder_pb2.GetDecoderInfoResponse:
+    with grpc.insecure_channel(stack.decoder_target) as ch:
+        return decoder_pb2_grpc.DecoderServiceStub(ch).GetDecoderInfo(decoder_pb2.GetDecoderInfoRequest())
+
+
+def test_cancel_mid_stream_frees_the_request_in_the_decoder(stack):
+    before = _decoder_info(stack).aborted_requests
+    with grpc.insecure_channel(stack.gateway_target) as ch:
+        stub = gateway_pb2_grpc.OmniGatewayServiceStub(ch)
+        long_text = "a long text to speak " * 40
+        call = stub.Speak(gateway_pb2.SpeakRequest(text=long_text, request_id="cancel-me"))
+        first = next(call)
+        assert first.request_id == "cancel-me" and first.sequence_number == 0
+        call.cancel()
+    deadline = time.monotonic() + 10
+    info = _decoder_info(stack)
+    while time.monotonic() < deadline and (info.active_requests or info.aborted_requests == before):
+        time.sleep(0.05)
+        info = _decoder_info(stack)
+    assert info.active_requests == 0, f"{info.active_requests=} after cancel"
+    assert info.aborted_requests == before + 1, f"{info.aborted_requests=}, {before=}"
+
+
+def test_openai_client_bytes_equal_grpc(stack):
+    openai = pytest.importorskip("openai")
+    text, seed = "Hello from the HTTP facade", 5
+    grpc_pcm = check_chunks(speak_chunks(stack.gateway_target, text, seed, voice="alloy"))
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{stack.cfg.http_port}/v1", api_key="unused")
+    with client.audio.speech.with_streaming_response.create(
+        model="omni-serving", voice="alloy", input=text, response_format="pcm", extra_body={"seed": seed}
+    ) as response:
+        http_pcm = b"".join(response.iter_bytes())
+    assert http_pcm and digest(http_pcm) == digest(grpc_pcm), f"{len(http_pcm)=} {len(grpc_pcm)=}"
+
