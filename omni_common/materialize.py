@@ -142,7 +142,12 @@ def view_from_snapshot(
 
     tensors: dict[str, StepTensorView] = {}
 
+    seen: set[str] = set()
+
     def add(name: str, ref: tensor_pb2.TensorRef, layout: int, field_name: str) -> None:
+        if name in seen:
+            raise InvalidArgumentError(field_name, f"a second step tensor named {name!r}")
+        seen.add(name)
         if needed is not None and name not in needed:
             return
         info, buf = resolve(ref, field_name)
@@ -201,6 +206,24 @@ def _rows(view: StepView, name: str, t: StepTensorView, i: int, selection: int) 
     return a[end - 1 : end] if selection == SELECT_LAST and end > start else a[start:end]
 
 
+def _check_source(view: StepView, name: str, t: StepTensorView) -> None:
+    """Refuse a routed tensor whose rows cannot cover the step's requests
+    (slicing would otherwise return short or empty rows without a word)."""
+    a, n = t.array, len(view.request_ids)
+    if a.ndim < 1:
+        raise InvalidArgumentError(name, "a step tensor needs a row dimension, got a scalar")
+    if name == SAMPLED_TOKEN_IDS:
+        if a.ndim != 2:
+            raise InvalidArgumentError(name, f"must be [num_requests, max_tokens], got shape {list(a.shape)}")
+        for i, k in enumerate(view.num_sampled_tokens):
+            if k > a.shape[1]:
+                raise InvalidArgumentError(
+                    "snapshot.num_sampled_tokens", f"[{i}] is {k}, sampled_token_ids has {a.shape[1]} columns"
+                )
+    if (name == SAMPLED_TOKEN_IDS or t.layout == PER_REQUEST) and a.shape[0] < n:
+        raise InvalidArgumentError(name, f"has {a.shape[0]} rows for {n} requests")
+
+
 def build_step(view: StepView, plan: materializer_pb2.StagePlan) -> materializer_pb2.MaterializedStep:
     """Slice per request, route by key, build payload messages.
 
@@ -216,6 +239,11 @@ def build_step(view: StepView, plan: materializer_pb2.StagePlan) -> materializer
     for r in routes:
         if r.source not in view.tensors:
             raise InvalidArgumentError("plan.routes.source", f"step {view.step_id} has no tensor {r.source!r}")
+        _check_source(view, r.source, view.tensors[r.source])
+    if len(view.num_sampled_tokens) != len(view.request_ids):
+        raise InvalidArgumentError(
+            "num_sampled_tokens", f"has {len(view.num_sampled_tokens)} entries for {len(view.request_ids)} requests"
+        )
     out = materializer_pb2.MaterializedStep(step_id=view.step_id, stage_id=view.stage_id)
     # 1) downstream set
     downstream = view.downstream_request_ids

@@ -153,11 +153,12 @@ def test_slow_materializer_backpressure_not_unbounded(tmp_path):
             pipeline.submit(RequestSpec(request_id=f"r{i}", prompt=f"request number {i} says hello", seed=100 + i,
                                         modality=OutputModality.AUDIO), col.sink_for(f"r{i}"))
         # the decode loop runs ahead of the materializer (lagged consumption) ...
-        deadline = time.monotonic() + 5
-        while time.monotonic() < deadline and pipeline.runner.steps < slots:
-            time.sleep(0.01)
-        ahead = pipeline.runner.steps - pipeline.link.remote_steps
-        assert ahead >= slots - 1, f"decode did not run ahead of a slow materializer: {pipeline.runner.steps=} {pipeline.link.remote_steps=}"
+        max_ahead = 0
+        deadline = time.monotonic() + 60
+        while len(col.finish) < 8 and time.monotonic() < deadline:
+            max_ahead = max(max_ahead, pipeline.runner.steps - pipeline.link.remote_steps)
+            time.sleep(0.005)
+        assert max_ahead >= slots - 1, f"decode never ran ahead of a slow materializer: {max_ahead=}"
         # ... but never by more than the arena holds
         col.wait(8)
         pipeline.stop()
