@@ -18,10 +18,12 @@ pytestmark = pytest.mark.e2e
 TEXTS = [("Hello there", 7), ("The quick brown fox jumps over the lazy dog", 11)]
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory):
+@pytest.fixture(scope="module", params=["reference", "pool"])
+def stack(request, tmp_path_factory):
+    """The stack, once per shipped materializer, chosen by configuration only."""
     runtime = tmp_path_factory.mktemp("rt")
-    s = Stack(StackConfig(engine="reference", runtime_dir=str(runtime), port=0, http_port=0, log_level="WARNING"))
+    s = Stack(StackConfig(engine="reference", materializer_impl=request.param, runtime_dir=str(runtime), port=0,
+                          http_port=0, log_level="WARNING"))
     s.start()
     yield s
     left = s.stop()
