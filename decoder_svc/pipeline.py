@@ -36,7 +36,7 @@ from decoder_svc.materializer_link import MaterializerLink
 from decoder_svc.profile import Profile, StageConfig
 from decoder_svc.snapshot import SnapshotMeta, meta_of, step_tensors, take_snapshot
 from omni_common.errors import AlreadyExistsError, InvalidArgumentError
-from omni_common.materialize import build_step, payload_tensors, sources_of, view_from_tensors
+from omni_common.materialize import build_step, payload_tensors, sources_of
 from omni_common.shm_arena import ShmArena
 from omni_common.tensor_wire import encode_inline
 from omni_serving.v1 import common_pb2, decoder_pb2, materializer_pb2, payload_pb2
@@ -168,17 +168,7 @@ class StageRunner:
             self.link.submit(take_snapshot(meta, tensors, arena, staging=self._staging))
             return
         # synchronous path: build here, from the step's own tensors
-        view = view_from_tensors(
-            step_id=meta.step_id,
-            stage_id=meta.stage_id,
-            request_ids=meta.request_ids,
-            spans=meta.spans,
-            num_sampled_tokens=meta.num_sampled_tokens,
-            finished_request_ids=list(meta.finished),
-            downstream_request_ids=meta.downstream_request_ids,
-            tensors=tensors,
-        )
-        self.deliver(build_step(view, self.plan), meta)
+        self.deliver(build_step(meta.view_over(tensors), self.plan), meta)
 
 
 class Code2WavWorker:

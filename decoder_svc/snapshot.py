@@ -19,7 +19,13 @@ import torch
 from decoder_svc.backend import StepOutput
 from decoder_svc.cuda_staging import CudaStaging
 from omni_common.errors import ResourceExhaustedError
-from omni_common.materialize import HIDDEN_STATES, SAMPLED_TOKEN_IDS, StepView, view_from_tensors
+from omni_common.materialize import (
+    HIDDEN_STATES,
+    SAMPLED_TOKEN_IDS,
+    StepView,
+    set_step_tensor,
+    view_from_tensors,
+)
 from omni_common.shm_arena import ShmArena, SlotLease
 from omni_common.tensor_wire import dtype_info, encode_inline
 from omni_serving.v1 import snapshot_pb2, tensor_pb2
@@ -68,12 +74,7 @@ class SnapshotMeta:
         for name, (t, layout) in self.tensors.items():
             refs[name] = (encode_inline(t), layout)
         for name, (ref, layout) in refs.items():
-            if name == SAMPLED_TOKEN_IDS:
-                snap.sampled_token_ids.CopyFrom(ref)
-            elif name == HIDDEN_STATES:
-                snap.hidden_states.CopyFrom(ref)
-            else:
-                snap.multimodal_outputs.add(name=name, layout=layout, tensor=ref)
+            set_step_tensor(snap, name, ref, layout)
         return snap
 
     def local_view(self, arena: ShmArena | None) -> StepView:
@@ -87,6 +88,10 @@ class SnapshotMeta:
             raw = arena.data_view(ref.shm.offset, nbytes)
             dtype = dtype_info(ref.dtype).torch_dtype
             tensors[name] = (raw.view(dtype).view(tuple(ref.shape)), layout)
+        return self.view_over(tensors)
+
+    def view_over(self, tensors: dict[str, tuple[torch.Tensor, int]]) -> StepView:
+        """A StepView of this step's metadata over the given tensors."""
         return view_from_tensors(
             step_id=self.step_id,
             stage_id=self.stage_id,

@@ -175,6 +175,17 @@ def view_from_snapshot(
     )
 
 
+def set_step_tensor(snap: snapshot_pb2.StepSnapshot, name: str, ref: tensor_pb2.TensorRef, layout: int) -> None:
+    """Put a step tensor in its StepSnapshot field: the two well-known sources
+    have their own fields, everything else is a multimodal output."""
+    if name == SAMPLED_TOKEN_IDS:
+        snap.sampled_token_ids.CopyFrom(ref)
+    elif name == HIDDEN_STATES:
+        snap.hidden_states.CopyFrom(ref)
+    else:
+        snap.multimodal_outputs.add(name=name, layout=layout, tensor=ref)
+
+
 def sources_of(plan: materializer_pb2.StagePlan) -> set[str]:
     """Step tensors a stage's routes read (the only ones worth snapshotting)."""
     return {r.source for r in plan.routes}

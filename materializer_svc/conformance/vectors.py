@@ -43,6 +43,7 @@ from omni_common.materialize import (
     SELECT_LAST,
     build_step,
     inline_resolver,
+    set_step_tensor,
     view_from_snapshot,
     view_from_tensors,
 )
@@ -249,13 +250,7 @@ def _step(
     snap.connector_output.finished_sending.extend(spec.finished_sending)
     snap.connector_output.finished_recving.extend(spec.finished_recving)
     for name, (tensor, layout) in tensors.items():
-        ref = encode_inline(tensor)
-        if name == SAMPLED_TOKEN_IDS:
-            snap.sampled_token_ids.CopyFrom(ref)
-        elif name == HIDDEN_STATES:
-            snap.hidden_states.CopyFrom(ref)
-        else:
-            snap.multimodal_outputs.add(name=name, layout=layout, tensor=ref)
+        set_step_tensor(snap, name, encode_inline(tensor), layout)
     if "logprobs" in spec.extras:
         snap.logprobs.CopyFrom(
             encode_inline(torch.from_numpy(rng.standard_normal((n, 2)).astype(np.float32)))
