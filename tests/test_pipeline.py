@@ -196,3 +196,23 @@ def test_materializer_errors_and_death_cost_no_request(tmp_path):
         assert arena.in_use == 0, "slots leaked after failover"
     assert got == sync
     assert list_segments("omni-pipetest") == []
+
+
+class StallingFakeMaterializer(ReferenceMaterializer):
+    """Test double: reads every snapshot and never answers."""
+
+    async def Materialize(self, request_iterator, context):
+        async for _ in request_iterator:
+            pass
+        if False:  # an async generator that yields nothing
+            yield
+
+
+def test_stalled_materializer_costs_no_request(tmp_path):
+    sync, _ = run_batch("tts", materializer_target=None, arena=None)
+    with ServerThread(f"unix://{tmp_path}/m.sock", StallingFakeMaterializer(MaterializerConfig(shm_prefix="omni-pipetest"))) as srv, \
+            ShmArena("omni-pipetest", 8, 1 << 20) as arena:
+        got, pipeline = run_batch("tts", materializer_target=srv.target, arena=arena, stall_timeout_s=1.0)
+        assert pipeline.link.fallback_by_reason["stall"] > 0, pipeline.link.fallback_by_reason
+        assert arena.in_use == 0, "slots leaked after a stall"
+    assert got == sync
