@@ -1,109 +1,436 @@
-"""`omni-serving up`: start decoder, materializer and gateway as processes.
+"""`omni-serving up`: start materializer, decoder and gateway as processes.
 
-Sockets live in a private runtime directory (mode 0700). The launcher waits
-for each service's grpc health, prints the endpoints, and on Ctrl-C/SIGTERM
-stops the three in reverse order (gateway first), waits for them, and checks
-that no shared-memory segment of the deployment is left.
+- Sockets live in a private runtime directory (mode 0700).
+- Each service runs in its own session (process group), so a terminal's
+  Ctrl-C reaches only the launcher, and everything a service started (vLLM
+  workers, pool workers, their children) can be found and stopped with it.
+- The launcher waits for each service's grpc health (generously: the vLLM
+  engine creates its tiny models on first run), prints the endpoints, and on
+  Ctrl-C/SIGTERM stops the three in reverse order (gateway first), waits for
+  them, stops whatever they left behind, and checks that no shared-memory
+  segment of the deployment is left.
+- `service_commands` is the single description of what each service runs;
+  docker/compose.yaml runs the same command lines (tests/test_compose.py
+  checks that they agree).
+
+Configuration: `StackConfig`; on the command line through `add_up_arguments`
+/ `config_from_args`, where a `--config FILE` (TOML or YAML, same keys as
+the long options) sits between the defaults and the command line.
 """
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import ctypes
+import dataclasses
+import itertools
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import psutil
+import yaml
+
+from omni_common.errors import UnavailableError
 from omni_common.server import wait_for_health_sync
-from omni_common.shm_arena import list_segments, sweep_stale
+
+ENGINES = ("vllm", "reference")
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+# sun_path holds 108 bytes including the terminating NUL.
+_MAX_UDS_PATH_BYTES = 107
+_WILDCARD_HOSTS = frozenset({"", "0.0.0.0", "::", "[::]", "*"})
+_STACKS = itertools.count(1)
+
+
+class StackError(RuntimeError):
+    """The stack could not be configured, started or stopped cleanly."""
+
+
+class ConfigError(StackError):
+    """A bad option value or config file; the message names the key."""
+
+
+class StartAborted(StackError):
+    """Stop was requested (Ctrl-C, SIGTERM) while the stack was starting."""
 
 
 @dataclass
 class StackConfig:
+    """What `omni-serving up` runs. Ports set to 0 are picked free at start."""
+
     profile: str = "tts"
-    engine: str = "reference"
+    engine: str = "vllm"
     materializer_impl: str = "reference"
     model_dir: str = ""
     host: str = "127.0.0.1"
     port: int = 50051
     http_port: int = 8000
+    metrics_host: str = "127.0.0.1"
+    decoder_metrics_port: int = 0  # -1 = off; the CLI defaults to 9101
+    materializer_metrics_port: int = 0  # -1 = off; the CLI defaults to 9102
     deployment: str = ""
     runtime_dir: str = ""
     sync: bool = False  # no materializer: payloads built in-process
     log_level: str = "INFO"
+    startup_timeout: float = 300.0  # per service; vLLM's first run creates its models
+    stop_timeout: float = 30.0  # per service, then SIGKILL
     extra_decoder_args: list[str] = field(default_factory=list)
+
+    def validate(self) -> None:
+        if self.engine not in ENGINES:
+            raise ConfigError(f"engine: {self.engine!r} is not one of {', '.join(ENGINES)}")
+        if self.log_level.upper() not in LOG_LEVELS:
+            raise ConfigError(f"log_level: {self.log_level!r} is not one of {', '.join(LOG_LEVELS)}")
+        for key in ("port", "http_port"):
+            value = getattr(self, key)
+            if not 0 <= value <= 65535:
+                raise ConfigError(f"{key}: {value} is not a port (0 = any free port)")
+        for key in ("decoder_metrics_port", "materializer_metrics_port"):
+            value = getattr(self, key)
+            if not -1 <= value <= 65535:
+                raise ConfigError(f"{key}: {value} is not a port (0 = any free port, -1 = off)")
+        for key in ("startup_timeout", "stop_timeout"):
+            if getattr(self, key) <= 0:
+                raise ConfigError(f"{key}: must be > 0 seconds, got {getattr(self, key)}")
+        for key in ("profile", "materializer_impl", "host", "metrics_host"):
+            if not getattr(self, key):
+                raise ConfigError(f"{key}: must not be empty")
+
+
+# -- command-line options and config file -------------------------------------
+
+
+@dataclass(frozen=True)
+class UpOption:
+    """One option of `omni-serving up`: flag --<key with dashes>, config key <key>."""
+
+    key: str
+    type: type
+    help: str
+    choices: tuple[str, ...] | None = None
+
+    @property
+    def flag(self) -> str:
+        return "--" + self.key.replace("_", "-")
+
+
+UP_OPTIONS: tuple[UpOption, ...] = (
+    UpOption("profile", str, "deploy profile: tts, omni or a profile YAML path"),
+    UpOption("engine", str, "AR engine: vllm (tiny models created on first run unless --model-dir) "
+             "or reference (deterministic, fast)", ENGINES),
+    UpOption("materializer_impl", str, "materializer implementation (python -m materializer_svc --list)"),
+    UpOption("model_dir", str, "checkpoints, one folder per AR stage (vllm engine); "
+             "empty = the decoder's model cache"),
+    UpOption("host", str, "gateway bind address (gRPC and HTTP)"),
+    UpOption("port", int, "gateway gRPC port (0 = any free port)"),
+    UpOption("http_port", int, "gateway HTTP port: OpenAI-compatible speech and /metrics (0 = any free port)"),
+    UpOption("metrics_host", str, "bind address of the decoder's and materializer's /metrics"),
+    UpOption("decoder_metrics_port", int, "decoder /metrics port (0 = any free port, -1 = off)"),
+    UpOption("materializer_metrics_port", int, "materializer /metrics port (0 = any free port, -1 = off)"),
+    UpOption("deployment", str, "deployment name; shared memory is /dev/shm/omni-<deployment>-* "
+             "(empty = unique per launch)"),
+    UpOption("runtime_dir", str, "socket directory, made private (0700) (empty = a new temp dir)"),
+    UpOption("sync", bool, "no materializer: build payloads in the decode step"),
+    UpOption("log_level", str, f"log level of the three services: {', '.join(LOG_LEVELS)}"),
+    UpOption("startup_timeout", float, "seconds each service may take to become healthy"),
+    UpOption("stop_timeout", float, "seconds each service may take to stop before it is killed"),
+)
+_OPTIONS_BY_KEY = {opt.key: opt for opt in UP_OPTIONS}
+
+# Where the command line's defaults differ from StackConfig's (whose 0 picks a
+# free port, which suits tests and embedding).
+CLI_DEFAULTS: dict[str, Any] = {"decoder_metrics_port": 9101, "materializer_metrics_port": 9102}
+
+
+def default_value(key: str) -> Any:
+    if key in CLI_DEFAULTS:
+        return CLI_DEFAULTS[key]
+    return StackConfig.__dataclass_fields__[key].default
+
+
+def add_up_arguments(parser: argparse.ArgumentParser) -> None:
+    """The `up` options. Defaults are applied by config_from_args, so an option
+    given on the command line can be told apart from one left out."""
+    parser.add_argument("--config", metavar="FILE", default=None,
+                        help="TOML (.toml) or YAML (.yaml/.yml) file with the same keys as these options "
+                             "(materializer-impl or materializer_impl, ...); command-line options win")
+    for opt in UP_OPTIONS:
+        default = default_value(opt.key)
+        help_text = f"{opt.help} (default: {default!r})"
+        if opt.type is bool:
+            parser.add_argument(opt.flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                                help=help_text)
+        else:
+            parser.add_argument(opt.flag, type=opt.type, choices=opt.choices, default=argparse.SUPPRESS,
+                                metavar=None if opt.choices else opt.key.upper().rsplit("_", 1)[-1],
+                                help=help_text)
+
+
+def _coerce(key: str, value: Any, source: str) -> Any:
+    opt = _OPTIONS_BY_KEY[key]
+    if opt.type is bool:
+        ok = isinstance(value, bool)
+    elif opt.type is int:
+        ok = isinstance(value, int) and not isinstance(value, bool)
+    elif opt.type is float:
+        ok = isinstance(value, int | float) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    else:
+        ok = isinstance(value, str)
+    if not ok:
+        raise ConfigError(f"{source}: key {key!r} must be a {opt.type.__name__}, got {value!r}")
+    if opt.choices and value not in opt.choices:
+        raise ConfigError(f"{source}: key {key!r} must be one of {', '.join(opt.choices)}, got {value!r}")
+    return value
+
+
+def load_config_file(path: str | Path) -> dict[str, Any]:
+    """Read a flat TOML or YAML mapping of up options; keys are normalized to
+    StackConfig names (dashes become underscores). Unknown keys are errors."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except OSError as exc:
+        raise ConfigError(f"config file {path}: {exc.strerror or exc}") from exc
+    suffix = path.suffix.lower()
+    try:
+        if suffix == ".toml":
+            data: Any = tomllib.loads(text)
+        elif suffix in (".yaml", ".yml"):
+            data = yaml.safe_load(text)
+        else:
+            raise ConfigError(f"config file {path}: unknown format {suffix!r}; use .toml, .yaml or .yml")
+    except (tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
+        raise ConfigError(f"config file {path}: not valid {suffix[1:].upper()}: {exc}") from exc
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: expected a mapping of options, got {type(data).__name__}")
+    values: dict[str, Any] = {}
+    for raw_key, value in data.items():
+        key = str(raw_key).replace("-", "_")
+        if key not in _OPTIONS_BY_KEY:
+            known = ", ".join(opt.key.replace("_", "-") for opt in UP_OPTIONS)
+            raise ConfigError(f"config file {path}: unknown key {raw_key!r} (known keys: {known})")
+        values[key] = _coerce(key, value, f"config file {path}")
+    return values
+
+
+def config_from_args(args: argparse.Namespace) -> StackConfig:
+    """Defaults, then the --config file, then the options given on the command line."""
+    values = {opt.key: default_value(opt.key) for opt in UP_OPTIONS}
+    if getattr(args, "config", None):
+        values.update(load_config_file(args.config))
+    given = vars(args)
+    values.update({opt.key: given[opt.key] for opt in UP_OPTIONS if opt.key in given})
+    cfg = StackConfig(**values)
+    cfg.log_level = cfg.log_level.upper()
+    cfg.validate()
+    return cfg
+
+
+# -- command lines ---------------------------------------------------------------
 
 
 @dataclass
 class ServiceProcess:
     name: str
     argv: list[str]
-    target: str
+    target: str  # what a client on this host dials for grpc health
+    env: dict[str, str] = field(default_factory=dict)  # set on top of the launcher's environment
+    metrics_url: str = ""
     proc: subprocess.Popen | None = None
 
 
 def free_port(host: str = "127.0.0.1") -> int:
     """A port free right now (for `--port 0`): the OS picks, we release it."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.bind((host.strip("[]"), 0))
         return int(sock.getsockname()[1])
 
 
-def service_commands(cfg: StackConfig, runtime: Path) -> list[ServiceProcess]:
-    """The three services' command lines (what docker/compose.yaml runs too)."""
-    py = sys.executable
+def dial_host(host: str) -> str:
+    """Where a client on this host reaches a server bound to `host`."""
+    return "127.0.0.1" if host in _WILDCARD_HOSTS else host
+
+
+def service_environment(cfg: StackConfig, name: str) -> dict[str, str]:
+    """Variables the launcher sets for service `name` (docker/compose.yaml sets the same).
+
+    OMNI_DEPLOYMENT is read by the decoder and the materializer (the flag
+    wins); on all three it also marks the processes of one deployment.
+    """
+    return {"PYTHONUNBUFFERED": "1", "OMNI_DEPLOYMENT": cfg.deployment}
+
+
+def _metrics_args(port: int, host: str) -> list[str]:
+    return ["--metrics-port", str(port), "--metrics-host", host]
+
+
+def _metrics_url(host: str, port: int, path: str = "/metrics") -> str:
+    return f"http://{dial_host(host)}:{port}{path}" if port > 0 else ""
+
+
+def service_commands(cfg: StackConfig, runtime: Path | str, python: str | None = None) -> list[ServiceProcess]:
+    """The services' command lines in start order (materializer, decoder, gateway).
+
+    docker/compose.yaml runs the same command lines, with `python` for
+    sys.executable and its runtime directory for `runtime`.
+    """
+    py = python or sys.executable
     dec_sock = f"unix://{runtime}/decoder.sock"
     mat_sock = f"unix://{runtime}/materializer.sock"
     common = ["--deployment", cfg.deployment, "--log-level", cfg.log_level]
     materializer = ServiceProcess(
         "materializer",
-        [py, "-m", "materializer_svc", "--listen", mat_sock, "--impl", cfg.materializer_impl, *common],
+        [py, "-m", "materializer_svc", "--listen", mat_sock, "--impl", cfg.materializer_impl, *common,
+         *_metrics_args(cfg.materializer_metrics_port, cfg.metrics_host)],
         mat_sock,
+        service_environment(cfg, "materializer"),
+        _metrics_url(cfg.metrics_host, cfg.materializer_metrics_port),
     )
-    decoder_args = [py, "-m", "decoder_svc", "--listen", dec_sock, "--profile", cfg.profile, "--engine", cfg.engine, *common]
+    decoder_args = [py, "-m", "decoder_svc", "--listen", dec_sock, "--profile", cfg.profile,
+                    "--engine", cfg.engine, *common,
+                    *_metrics_args(cfg.decoder_metrics_port, cfg.metrics_host)]
     if not cfg.sync:
         decoder_args += ["--materializer", mat_sock]
     if cfg.model_dir:
         decoder_args += ["--model-dir", cfg.model_dir]
-    decoder = ServiceProcess("decoder", decoder_args + cfg.extra_decoder_args, dec_sock)
-    gw_target = f"{cfg.host}:{cfg.port}"
+    decoder = ServiceProcess(
+        "decoder",
+        decoder_args + list(cfg.extra_decoder_args),
+        dec_sock,
+        service_environment(cfg, "decoder"),
+        _metrics_url(cfg.metrics_host, cfg.decoder_metrics_port),
+    )
     gateway = ServiceProcess(
         "gateway",
-        [py, "-m", "gateway", "--listen", gw_target, "--decoder", dec_sock, "--http-port", str(cfg.http_port),
-         "--log-level", cfg.log_level],
-        f"127.0.0.1:{cfg.port}" if cfg.host in ("0.0.0.0", "::", "") else gw_target,
+        [py, "-m", "gateway", "--listen", f"{cfg.host}:{cfg.port}", "--decoder", dec_sock,
+         "--http-port", str(cfg.http_port), "--log-level", cfg.log_level],
+        f"{dial_host(cfg.host)}:{cfg.port}",
+        service_environment(cfg, "gateway"),
+        _metrics_url(cfg.host, cfg.http_port),
     )
     return ([] if cfg.sync else [materializer]) + [decoder, gateway]
+
+
+# -- processes ------------------------------------------------------------------------
+
+
+def become_subreaper() -> bool:
+    """Linux: orphaned descendants are re-parented to us instead of init, so
+    nothing a service started can slip away unseen. Best effort."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
+    except (OSError, AttributeError):
+        return False
+
+
+def list_segments(prefix: str) -> list[str]:
+    from omni_common import shm_arena  # imports torch: only when a stack runs
+
+    return shm_arena.list_segments(prefix)
+
+
+def sweep_stale(prefix: str) -> list[str]:
+    from omni_common import shm_arena
+
+    return shm_arena.sweep_stale(prefix)
+
+
+def _alive(proc: psutil.Process) -> bool:
+    try:
+        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+def _wait_gone(procs: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:
+    """Wait until the processes have exited (zombies count as gone); return the rest."""
+    deadline = time.monotonic() + timeout_s
+    alive = [p for p in procs if _alive(p)]
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.05)
+        alive = [p for p in alive if _alive(p)]
+    return alive
+
+
+def _signal_group(pgid: int, sig: int) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pgid, sig)
+
+
+def _private_dir(path: Path) -> None:
+    path.mkdir(mode=0o700, parents=True, exist_ok=True)
+    st = path.stat()
+    if st.st_uid != os.getuid():
+        raise ConfigError(f"runtime_dir: {path} belongs to uid {st.st_uid}, not to us ({os.getuid()})")
+    os.chmod(path, 0o700)
+
+
+def _new_runtime_dir() -> Path:
+    parent = os.environ.get("XDG_RUNTIME_DIR") or None
+    if parent and not (os.path.isdir(parent) and os.access(parent, os.W_OK)):
+        parent = None
+    return Path(tempfile.mkdtemp(prefix="omni-serving-", dir=parent))  # mkdtemp: mode 0700
 
 
 class Stack:
     """A running stack; use as a context manager or call start()/stop()."""
 
-    def __init__(self, cfg: StackConfig) -> None:
-        self.cfg = cfg
-        if not cfg.deployment:
-            cfg.deployment = f"up{os.getpid()}"
+    def __init__(self, cfg: StackConfig, *, subreaper: bool = False) -> None:
+        cfg = dataclasses.replace(cfg, extra_decoder_args=list(cfg.extra_decoder_args))
+        cfg.validate()
+        if not cfg.deployment:  # unique per stack: up<pid>, up<pid>-2, ...
+            n = next(_STACKS)
+            cfg.deployment = f"up{os.getpid()}" + (f"-{n}" if n > 1 else "")
         if cfg.port == 0:
-            cfg.port = free_port()
+            cfg.port = free_port(dial_host(cfg.host))
         if cfg.http_port == 0:
-            cfg.http_port = free_port()
+            cfg.http_port = free_port(dial_host(cfg.host))
+        if cfg.decoder_metrics_port == 0:
+            cfg.decoder_metrics_port = free_port(dial_host(cfg.metrics_host))
+        if cfg.materializer_metrics_port == 0 and not cfg.sync:
+            cfg.materializer_metrics_port = free_port(dial_host(cfg.metrics_host))
+        self.cfg = cfg
+        self.subreaper = subreaper
+        self._own_runtime = not cfg.runtime_dir
         if cfg.runtime_dir:
-            self.runtime = Path(cfg.runtime_dir)
-            self.runtime.mkdir(mode=0o700, parents=True, exist_ok=True)
-            os.chmod(self.runtime, 0o700)
-            self._tmp = None
+            self.runtime = Path(cfg.runtime_dir).absolute()
+            _private_dir(self.runtime)
         else:
-            self._tmp = tempfile.TemporaryDirectory(prefix="omni-serving-")
-            self.runtime = Path(self._tmp.name)  # mkdtemp creates it 0700
+            self.runtime = _new_runtime_dir()
+        longest = max(len(os.fsencode(str(self.runtime / n))) for n in ("decoder.sock", "materializer.sock"))
+        if longest > _MAX_UDS_PATH_BYTES:
+            self._remove_runtime()
+            raise ConfigError(f"runtime_dir: {self.runtime} is too long for a Unix socket path "
+                              f"({longest} > {_MAX_UDS_PATH_BYTES} bytes)")
         self.services = service_commands(cfg, self.runtime)
+        self.killed: list[str] = []  # processes that had to be stopped after their service exited
+        self._stopped = False
 
+    # -- addresses
     @property
     def shm_prefix(self) -> str:
         return f"omni-{self.cfg.deployment}"
+
+    def service(self, name: str) -> ServiceProcess | None:
+        return next((s for s in self.services if s.name == name), None)
 
     @property
     def gateway_target(self) -> str:
@@ -115,33 +442,158 @@ class Stack:
 
     @property
     def materializer_target(self) -> str | None:
-        return next((s.target for s in self.services if s.name == "materializer"), None)
+        svc = self.service("materializer")
+        return svc.target if svc else None
 
-    def start(self, timeout_s: float = 120.0) -> None:
+    @property
+    def http_url(self) -> str:
+        return f"http://{dial_host(self.cfg.host)}:{self.cfg.http_port}"
+
+    def endpoints(self) -> list[tuple[str, str]]:
+        """(label, address) of everything a user reaches, for printing."""
+        rows = [
+            ("gateway gRPC", self.gateway_target),
+            ("gateway HTTP", f"{self.http_url}/v1/audio/speech"),
+        ]
+        rows += [(f"{s.name} metrics", s.metrics_url) for s in reversed(self.services) if s.metrics_url]
+        rows += [(s.name, s.target) for s in self.services if s.name != "gateway"]
+        rows.append(("runtime dir", str(self.runtime)))
+        return rows
+
+    # -- lifecycle
+    def start(self, timeout_s: float | None = None, abort: threading.Event | None = None) -> None:
+        """Start the services in order, each once the previous one is healthy.
+
+        Raises StackError when one exits or stays unhealthy past timeout_s
+        (default cfg.startup_timeout), StartAborted when `abort` is set;
+        either way everything started so far is stopped first.
+        """
+        timeout = self.cfg.startup_timeout if timeout_s is None else timeout_s
         sweep_stale(self.shm_prefix)
+        tmp = self.runtime / "tmp"  # the services' temp files go away with the stack
+        tmp.mkdir(mode=0o700, exist_ok=True)
         try:
             for svc in self.services:
-                svc.proc = subprocess.Popen(svc.argv, start_new_session=True)
-                wait_for_health_sync(svc.target, timeout_s)
+                env = {**os.environ, **svc.env, "TMPDIR": str(tmp)}
+                svc.proc = subprocess.Popen(svc.argv, env=env, start_new_session=True)
+                self._wait_healthy(svc, timeout, abort)
         except BaseException:
             self.stop()
             raise
 
-    def stop(self, timeout_s: float = 30.0) -> list[str]:
-        """Stop gateway, decoder, materializer (in that order). Returns leftover segments."""
+    def _wait_healthy(self, svc: ServiceProcess, timeout_s: float, abort: threading.Event | None) -> None:
+        assert svc.proc is not None
+        deadline = time.monotonic() + timeout_s
+        last = "no answer yet"
+        while True:
+            if abort is not None and abort.is_set():
+                raise StartAborted(f"stop requested while {svc.name} was starting")
+            code = svc.proc.poll()
+            if code is not None:
+                raise StackError(f"{svc.name} exited with code {code} while starting (command: {' '.join(svc.argv)})")
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise StackError(f"{svc.name} not healthy at {svc.target} after {timeout_s:g}s ({last})")
+            try:
+                wait_for_health_sync(svc.target, min(remaining, 1.0))
+                return
+            except UnavailableError as exc:
+                last = str(exc)
+
+    def exited(self) -> list[ServiceProcess]:
+        """Services whose process has ended."""
+        return [s for s in self.services if s.proc is not None and s.proc.poll() is not None]
+
+    def descendants(self) -> list[psutil.Process]:
+        """Every live process the services started, children of children included."""
+        found: dict[int, psutil.Process] = {}
+        roots: list[psutil.Process] = []
+        for svc in self.services:
+            if svc.proc is not None:
+                with contextlib.suppress(psutil.Error):
+                    roots.append(psutil.Process(svc.proc.pid))
+        if self.subreaper:  # orphans re-parented to us
+            leaders = {s.proc.pid for s in self.services if s.proc is not None}
+            with contextlib.suppress(psutil.Error):
+                roots += [p for p in psutil.Process().children() if p.pid not in leaders]
+        for root in roots:
+            with contextlib.suppress(psutil.Error):
+                for p in [root, *root.children(recursive=True)]:
+                    found[p.pid] = p
+        return [p for p in found.values() if _alive(p)]
+
+    def reap_orphans(self) -> None:
+        """Collect exit statuses of re-parented orphans (only with subreaper)."""
+        if not self.subreaper:
+            return
+        leaders = {s.proc.pid for s in self.services if s.proc is not None}
+        with contextlib.suppress(psutil.Error):
+            for child in psutil.Process().children():
+                if child.pid not in leaders:
+                    with contextlib.suppress(ChildProcessError, OSError):
+                        os.waitpid(child.pid, os.WNOHANG)
+
+    def kill(self) -> None:
+        """SIGKILL every service's process group now (a second Ctrl-C)."""
+        for svc in self.services:
+            if svc.proc is not None:
+                _signal_group(svc.proc.pid, signal.SIGKILL)
+
+    def stop(self, timeout_s: float | None = None) -> list[str]:
+        """Stop gateway, decoder, materializer (in that order), then anything they
+        left running. Returns the deployment's shared-memory segments still present."""
+        if self._stopped:
+            return list_segments(self.shm_prefix)
+        self._stopped = True
+        timeout = self.cfg.stop_timeout if timeout_s is None else timeout_s
+        tracked = {p.pid: p for p in self.descendants()}
         for svc in reversed(self.services):
-            if svc.proc is not None and svc.proc.poll() is None:
-                svc.proc.send_signal(signal.SIGTERM)
-                try:
-                    svc.proc.wait(timeout_s)
-                except subprocess.TimeoutExpired:
-                    svc.proc.kill()
-                    svc.proc.wait()
+            proc = svc.proc
+            if proc is None or proc.poll() is not None:
+                continue
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                print(f"{svc.name} did not stop within {timeout:g}s; killing it", file=sys.stderr)
+                _signal_group(proc.pid, signal.SIGKILL)
+                proc.wait()
+        # What the services started and did not stop: children of children,
+        # orphans re-parented to us, anything still in their process groups.
+        tracked.update({p.pid: p for p in self.descendants()})
+        tracked.update({p.pid: p for p in self._group_members()})
+        left = _wait_gone(list(tracked.values()), 2.0)  # e.g. a forkserver noticing its parent left
+        if left:
+            self.killed = [f"{p.pid} ({_name(p)})" for p in left]
+            for p in left:
+                with contextlib.suppress(psutil.Error):
+                    p.terminate()
+            for p in _wait_gone(left, 3.0):
+                with contextlib.suppress(psutil.Error):
+                    p.kill()
+        for svc in self.services:
+            if svc.proc is not None:
+                _signal_group(svc.proc.pid, signal.SIGKILL)  # last resort: nothing should be left
+        self.reap_orphans()
         # A killed decoder cannot unlink its arena; its flock is gone, so sweep.
         sweep_stale(self.shm_prefix)
-        if self._tmp is not None:
-            self._tmp.cleanup()
+        self._remove_runtime()
         return list_segments(self.shm_prefix)
+
+    def _group_members(self) -> list[psutil.Process]:
+        groups = {s.proc.pid for s in self.services if s.proc is not None}
+        members = []
+        for p in psutil.process_iter():
+            with contextlib.suppress(OSError, psutil.Error):
+                if os.getpgid(p.pid) in groups and _alive(p):
+                    members.append(p)
+        return members
+
+    def _remove_runtime(self) -> None:
+        if self._own_runtime:
+            shutil.rmtree(self.runtime, ignore_errors=True)
+        else:
+            shutil.rmtree(self.runtime / "tmp", ignore_errors=True)
 
     def __enter__(self) -> Stack:
         self.start()
@@ -151,33 +603,82 @@ class Stack:
         self.stop()
 
 
-def run_up(cfg: StackConfig) -> int:
-    stack = Stack(cfg)
-    stop = False
+def _name(proc: psutil.Process) -> str:
+    try:
+        return proc.name()
+    except psutil.Error:
+        return "?"
+
+
+def deployment_segments(deployment: str) -> list[str]:
+    """Every /dev/shm entry of the deployment (arenas and anything else named for it)."""
+    from omni_common.shm_arena import SHM_DIR
+
+    return sorted(p.name for p in SHM_DIR.glob(f"omni-{deployment}-*"))
+
+
+# -- `omni-serving up` --------------------------------------------------------------------
+
+
+def run_up(cfg: StackConfig, out=None) -> int:
+    """Start the stack, print its endpoints, run until Ctrl-C/SIGTERM, stop it.
+
+    Exit status: 0 after a clean stop; 1 when a service failed or something
+    was left behind; 130 when stopped while starting.
+    """
+    out = out or sys.stdout
+    try:
+        stack = Stack(cfg, subreaper=become_subreaper())
+    except ConfigError as exc:
+        print(f"omni-serving up: error: {exc}", file=sys.stderr)
+        return 2
+    cfg = stack.cfg
+    stop_requested = threading.Event()
+    signals_seen = 0
 
     def on_signal(signum: int, frame: object) -> None:
-        nonlocal stop
-        stop = True
+        nonlocal signals_seen
+        signals_seen += 1
+        stop_requested.set()
+        if signals_seen > 1:  # asked twice: no more waiting
+            stack.kill()
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
-    print(f"starting omni-serving (profile {cfg.profile}, engine {cfg.engine}) ...", file=sys.stderr)
-    stack.start()
-    print(f"gateway gRPC: {stack.gateway_target}")
-    print(f"gateway HTTP: http://{cfg.host}:{cfg.http_port}/v1/audio/speech")
-    print(f"runtime dir:  {stack.runtime}")
-    print(f'try: omni-serving speak "Hello there" -o hello.wav --target {stack.gateway_target}', flush=True)
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    rc = 0
     try:
-        while not stop:
-            for svc in stack.services:
-                if svc.proc is not None and svc.proc.poll() is not None:
-                    print(f"{svc.name} exited with code {svc.proc.returncode}; stopping", file=sys.stderr)
-                    stop = True
-            time.sleep(0.2)
+        print(f"starting omni-serving: deployment {cfg.deployment}, profile {cfg.profile}, engine {cfg.engine}, "
+              f"materializer {'none (sync)' if cfg.sync else cfg.materializer_impl} ...", file=sys.stderr, flush=True)
+        try:
+            stack.start(abort=stop_requested)
+        except StartAborted:
+            print("stopped while starting", file=sys.stderr)
+            return 130
+        except StackError as exc:
+            print(f"omni-serving up: error: {exc}", file=sys.stderr)
+            return 1
+        width = max(len(label) for label, _ in stack.endpoints()) + 1
+        lines = [f"omni-serving is up (deployment {cfg.deployment})"]
+        lines += [f"  {label + ':':<{width}} {value}" for label, value in stack.endpoints()]
+        lines.append(f'try: omni-serving speak "Hello there" -o hello.wav --target {stack.gateway_target}')
+        lines.append("Ctrl-C stops all three.")
+        print("\n".join(lines), file=out, flush=True)
+        while not stop_requested.wait(0.2):
+            dead = stack.exited()
+            if dead:
+                for svc in dead:
+                    print(f"{svc.name} exited with code {svc.proc.returncode if svc.proc else '?'}; stopping the stack",
+                          file=sys.stderr)
+                rc = 1
+                break
+            stack.reap_orphans()
     finally:
         left = stack.stop()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    if stack.killed:
+        print(f"warning: stopped processes left behind by the services: {', '.join(stack.killed)}", file=sys.stderr)
     if left:
         print(f"warning: shared-memory segments left: {left}", file=sys.stderr)
         return 1
     print("stopped", file=sys.stderr)
-    return 0
+    return rc

@@ -8,36 +8,32 @@ from pathlib import Path
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
-    from omni_cli.launcher import StackConfig, run_up
+    from omni_cli.launcher import ConfigError, config_from_args, run_up
 
-    cfg = StackConfig(
-        profile=args.profile,
-        engine=args.engine,
-        materializer_impl=args.materializer_impl,
-        model_dir=args.model_dir,
-        host=args.host,
-        port=args.port,
-        http_port=args.http_port,
-        deployment=args.deployment,
-        runtime_dir=args.runtime_dir,
-        sync=args.sync,
-        log_level=args.log_level,
-    )
+    try:
+        cfg = config_from_args(args)
+    except ConfigError as exc:
+        print(f"omni-serving up: error: {exc}", file=sys.stderr)
+        return 2
     return run_up(cfg)
 
 
 def _cmd_speak(args: argparse.Namespace) -> int:
-    from omni_cli.speak_client import speak
+    from omni_cli.speak_client import SpeakClientError, speak
 
-    speak(
-        args.target,
-        args.text,
-        Path(args.output),
-        voice=args.voice,
-        seed=args.seed,
-        http_url=args.http_url if args.http else None,
-        progress=not args.quiet,
-    )
+    try:
+        speak(
+            args.target,
+            args.text,
+            Path(args.output),
+            voice=args.voice,
+            seed=args.seed,
+            http_url=args.http_url if args.http else None,
+            progress=not args.quiet,
+        )
+    except SpeakClientError as exc:
+        print(f"omni-serving speak: {exc}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -75,19 +71,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="omni-serving", description=__doc__)
     sub = parser.add_subparsers(dest="command", required=True)
 
-    up = sub.add_parser("up", help="start decoder, materializer and gateway; Ctrl-C stops them")
-    up.add_argument("--profile", default="tts")
-    up.add_argument("--engine", choices=("vllm", "reference"), default="vllm",
-                    help="AR engine: vllm (default; tiny models are created on first run) or reference")
-    up.add_argument("--materializer-impl", default="reference")
-    up.add_argument("--model-dir", default="")
-    up.add_argument("--host", default="127.0.0.1")
-    up.add_argument("--port", type=int, default=50051, help="gateway gRPC port")
-    up.add_argument("--http-port", type=int, default=8000, help="gateway HTTP port (OpenAI-compatible speech)")
-    up.add_argument("--deployment", default="", help="deployment name (default: unique per launch)")
-    up.add_argument("--runtime-dir", default="", help="socket directory (default: a private temp dir)")
-    up.add_argument("--sync", action="store_true", help="no materializer: build payloads in the decode step")
-    up.add_argument("--log-level", default="INFO")
+    up = sub.add_parser(
+        "up",
+        help="start decoder, materializer and gateway; Ctrl-C stops them",
+        description="Start materializer, decoder and gateway as processes, wait until all three are "
+        "healthy, print the endpoints; Ctrl-C or SIGTERM stops them. Options can also come from "
+        "--config FILE (TOML or YAML, same keys); options given here win. See docs/configuration.md.",
+    )
+    from omni_cli.launcher import add_up_arguments
+
+    add_up_arguments(up)
     up.set_defaults(func=_cmd_up)
 
     sp = sub.add_parser("speak", help="speak a text through the gateway and write a WAV")

@@ -57,10 +57,24 @@ def generate_all(stack: Stack) -> dict[str, tuple[str, str]]:
         return dict(zip((p[0] for p in PROMPTS), pool.map(one, PROMPTS), strict=True))
 
 
+def embed(stack: Stack, text: str) -> decoder_pb2.GenerateResponse:
+    with grpc.insecure_channel(stack.decoder_target) as ch:
+        stub = decoder_pb2_grpc.DecoderServiceStub(ch)
+        req = decoder_pb2.GenerateRequest(request_id=f"embed-{text}", prompt=text, task=common_pb2.REQUEST_TASK_EMBED)
+        (resp,) = list(stub.Generate(req, timeout=300))
+    return resp
+
+
 def test_tts_async_equals_sync_and_speak_cli_writes_wav(tmp_path_factory, tmp_path):
     stack = start(tmp_path_factory, "tts", sync=False)
     try:
-        got_async = speak_all(stack)
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            pooled = pool.submit(embed, stack, "an embedding beside speech")
+            got_async = speak_all(stack)
+            resp = pooled.result(timeout=300)
+        # pooling keeps its own channel: an embedding, no multimodal payload
+        assert resp.finished and resp.HasField("pooling_output") and not resp.multimodal_output.tensors
+        assert list(resp.pooling_output.shape) == [128], resp.pooling_output.shape
         info = decoder_info(stack)
         assert info.engine == "vllm"
         assert info.stages[0].output_path == decoder_pb2.OUTPUT_PATH_ASYNC, info.stages[0].reason
