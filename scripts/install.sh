@@ -12,8 +12,11 @@ EXTRAS=${OMNI_EXTRAS:-dev,cpu}
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
 PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
 "${PIP[@]}" install -q --upgrade pip
-# The CPU build of torch first: anything later that asks for torch finds it satisfied.
-"${PIP[@]}" install -q "torch==2.13.0"
+if [[ ",${EXTRAS}," != *",cuda,"* ]]; then
+  # The CPU build of torch first: anything later that asks for torch finds it
+  # satisfied (the cuda extra brings vLLM's own CUDA torch instead).
+  "${PIP[@]}" install -q "torch==2.13.0"
+fi
 "${PIP[@]}" install -q -e ".[${EXTRAS}]"
 if [[ ",${EXTRAS}," == *",cpu,"* ]]; then
   # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break
