@@ -10,8 +10,8 @@ Nothing is lost when the materializer fails:
   - the stream breaks (materializer died or stalled past the deadline):
     every pending step is built in-process, in order, then new steps are
     built in-process by the dispatcher until a reconnect succeeds.
-Without a target the link runs in-process from the start (the seed's
-background-thread mode).
+Without a target the link builds on its own thread from the start: the
+in-process background-builder baseline.
 """
 
 from __future__ import annotations

@@ -265,7 +265,7 @@ class Pipeline:
         self.gen_config = profile.stages[-1]
         self._next_ar = {a.stage_id: b for a, b in itertools.pairwise(self.ar_configs)}
         # The link exists when a materializer is configured or the in-process
-        # background builder (the seed's thread mode) is asked for.
+        # background builder (the in-process thread baseline) is asked for.
         use_link = bool(materializer_target) or in_process_builder
         self.decisions = {
             s.stage_id: evaluate(

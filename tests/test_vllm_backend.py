@@ -1,8 +1,7 @@
 """VLLMBackend on the real (CPU) vLLM engine, with tiny random-weight models.
 
-Run with the vLLM environment, e.g.
-    PYTHONPATH=. /work/vllm-venv/bin/python -m pytest -m vllm tests/test_vllm_backend.py
-Skipped where vllm is not installed.
+Run with `.venv/bin/python -m pytest -m vllm tests/test_vllm_backend.py`
+(needs the `cpu` or `cuda` extra; skipped where vllm is not installed).
 """
 
 from __future__ import annotations
