@@ -151,7 +151,12 @@ def test_a_killed_worker_costs_an_in_band_error_and_the_pool_recovers(pool_serve
         resp = stream.recv(30)
         arena.release(p.lease.slot, p.lease.generation)
         if resp.HasField("step"):
-            break
+            # a step may still reach the surviving worker before the pool
+            # notices the death; recovery is a success after the restart
+            if pool.worker_restarts:
+                break
+            time.sleep(0.05)
+            continue
         codes.append(resp.error.code)
     else:
         pytest.fail(f"pool did not recover: {codes=}")
