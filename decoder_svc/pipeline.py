@@ -35,7 +35,7 @@ from decoder_svc.guards import GuardDecision, evaluate, log_decision
 from decoder_svc.materializer_link import MaterializerLink
 from decoder_svc.profile import Profile, StageConfig
 from decoder_svc.snapshot import SnapshotMeta, meta_of, step_tensors, take_snapshot
-from omni_common.errors import AlreadyExistsError, InvalidArgumentError
+from omni_common.errors import AlreadyExistsError, InvalidArgumentError, OmniError
 from omni_common.materialize import build_step, payload_tensors, sources_of
 from omni_common.shm_arena import ShmArena
 from omni_common.tensor_wire import encode_inline
@@ -43,7 +43,8 @@ from omni_serving.v1 import common_pb2, decoder_pb2, materializer_pb2, payload_p
 
 logger = logging.getLogger(__name__)
 
-Sink = Callable[[decoder_pb2.GenerateResponse], None]
+Sink = Callable[[decoder_pb2.GenerateResponse | OmniError], None]
+"""Receives a request's outputs; an OmniError instead ends the request with that error."""
 
 
 @dataclass
@@ -91,9 +92,11 @@ class StageRunner:
         link: MaterializerLink | None,
         deliver: Callable[[materializer_pb2.MaterializedStep, SnapshotMeta], None],
         downstream: Callable[[list[str]], list[str]],
+        on_failure: Callable[[BaseException], None],
         inline_transport: bool = False,
     ) -> None:
         self.config = config
+        self.on_failure = on_failure
         self.backend = backend
         self.decision = decision
         self.arena = arena
@@ -137,14 +140,19 @@ class StageRunner:
                 if self._stop:
                     return
             t0 = time.perf_counter()
-            # 1) forward + sample + eager postprocess
-            out = self.backend.step()
-            t_sampled = time.perf_counter()
-            if out is None:
+            try:
+                # 1) forward + sample + eager postprocess
+                out = self.backend.step()
+                t_sampled = time.perf_counter()
+                if out is None:
+                    continue
+                self.steps += 1
+                # 2) hand the step's outputs off (or build them, on the sync path)
+                self._emit(out)
+            except Exception as exc:  # noqa: BLE001 -- nothing partial goes out: the requests in flight fail loudly, the stage keeps serving
+                logger.exception("stage %s: decode step failed; failing the requests in flight", self.config.name)
+                self.on_failure(exc)
                 continue
-            self.steps += 1
-            # 2) hand the step's outputs off (or build them, on the sync path)
-            self._emit(out)
             t_launch = time.perf_counter()
             self.step_times_s.append(t_sampled - t0)
             self.gaps_s.append(t_launch - t_sampled)
@@ -254,6 +262,8 @@ class Pipeline:
         self.arena = arena
         self._lock = threading.Lock()
         self._requests: dict[str, RequestContext] = {}
+        # running requests without a multimodal output: no inter-stage payload
+        self._text_only: frozenset[str] = frozenset()
         self.finished_requests = 0
         self.aborted_requests = 0
         self.ar_configs = profile.ar_stages
@@ -301,6 +311,7 @@ class Pipeline:
                 link=self.link,
                 deliver=self._deliver,
                 downstream=self._downstream,
+                on_failure=self._fail_all,
                 inline_transport=inline_transport,
             )
             for s in self.ar_configs
@@ -360,6 +371,8 @@ class Pipeline:
             if spec.request_id in self._requests:
                 raise AlreadyExistsError(f"request_id: {spec.request_id!r} is already running")
             self._requests[spec.request_id] = RequestContext(spec, sink)
+            if not spec.modality.has_multimodal:
+                self._text_only = self._text_only | {spec.request_id}
         first = self.ar_configs[0]
         self.backends[first.name].add_request(spec)
         self.runners[first.stage_id].notify()
@@ -369,6 +382,7 @@ class Pipeline:
             ctx = self._requests.pop(request_id, None)
             if ctx is not None:
                 self.aborted_requests += 1
+                self._text_only = self._text_only - {request_id}
         if ctx is None:
             return False
         ctx.done = True
@@ -378,6 +392,21 @@ class Pipeline:
         metrics.REQUESTS.labels("aborted").inc()
         self._send(ctx, decoder_pb2.GenerateResponse(request_id=request_id, finished=True, finish_reason="abort", metrics=ctx.metrics()))
         return True
+
+    def _fail_all(self, exc: BaseException) -> None:
+        """A decode step failed: end every running request with an error."""
+        with self._lock:
+            contexts = list(self._requests.values())
+            self._requests.clear()
+            self._text_only = frozenset()
+        error = OmniError(f"decode step failed: {type(exc).__name__}: {exc}")
+        for ctx in contexts:
+            ctx.done = True
+            for s in self.ar_configs:
+                self.backends[s.name].abort(ctx.spec.request_id)
+            self.code2wav.abort(ctx.spec.request_id)
+            metrics.REQUESTS.labels("failed").inc()
+            self._send(ctx, error)
 
     @property
     def active_requests(self) -> int:
@@ -389,12 +418,18 @@ class Pipeline:
             return self._requests.get(request_id)
 
     def _downstream(self, request_ids: list[str]) -> list[str]:
-        """Requests whose payload the next stage wants this step (those with audio)."""
-        with self._lock:
-            return [rid for rid in request_ids if (c := self._requests.get(rid)) is not None and c.spec.modality.has_multimodal]
+        """Requests whose payload the next stage wants this step (those with audio).
+
+        Runs on the critical path: without text-only requests in flight (the
+        usual case) it is the batch itself, no loop.
+        """
+        text_only = self._text_only
+        if not text_only:
+            return request_ids
+        return [rid for rid in request_ids if rid not in text_only]
 
     @staticmethod
-    def _send(ctx: RequestContext, resp: decoder_pb2.GenerateResponse) -> None:
+    def _send(ctx: RequestContext, resp: decoder_pb2.GenerateResponse | OmniError) -> None:
         ctx.sink(resp)
 
     # -- routing of materialized steps (in step order, per stage) -------------------
@@ -477,6 +512,7 @@ class Pipeline:
         with self._lock:
             if self._requests.pop(ctx.spec.request_id, None) is None:
                 return
+            self._text_only = self._text_only - {ctx.spec.request_id}
             self.finished_requests += 1
         ctx.done = True
         metrics.REQUESTS.labels("finished").inc()

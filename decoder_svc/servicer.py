@@ -74,9 +74,9 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
                 )
                 return
             loop = asyncio.get_running_loop()
-            outputs: asyncio.Queue[decoder_pb2.GenerateResponse] = asyncio.Queue()
+            outputs: asyncio.Queue[decoder_pb2.GenerateResponse | OmniError] = asyncio.Queue()
 
-            def sink(resp: decoder_pb2.GenerateResponse) -> None:
+            def sink(resp: decoder_pb2.GenerateResponse | OmniError) -> None:
                 if not loop.is_closed():
                     loop.call_soon_threadsafe(outputs.put_nowait, resp)
 
@@ -88,6 +88,10 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         try:
             while not finished:
                 resp = await outputs.get()
+                if isinstance(resp, OmniError):  # the pipeline ended the request with an error
+                    finished = True
+                    await context.abort(grpc_code_for(resp), str(resp))
+                    return
                 finished = resp.finished
                 yield resp
         finally:

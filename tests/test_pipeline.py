@@ -216,3 +216,41 @@ def test_stalled_materializer_costs_no_request(tmp_path):
         assert pipeline.link.fallback_by_reason["stall"] > 0, pipeline.link.fallback_by_reason
         assert arena.in_use == 0, "slots leaked after a stall"
     assert got == sync
+
+
+class FlakyFakeBackend(ReferenceBackend):
+    """Test double: the reference talker whose third step raises."""
+
+    calls = 0
+
+    def step(self):
+        self.calls += 1
+        if self.calls == 3:
+            raise RuntimeError("fake engine failure")
+        return super().step()
+
+
+def test_a_failing_step_fails_its_requests_and_the_stage_keeps_serving():
+    profile = load_profile("tts")
+    pipeline = Pipeline(profile, {"talker": FlakyFakeBackend()}, materializer_target=None, shm_prefix="omni-pipetest", arena=None)
+    pipeline.start()
+    errors: list[object] = []
+    done = threading.Event()
+
+    def failing_sink(resp) -> None:
+        if not hasattr(resp, "finished"):
+            errors.append(resp)
+            done.set()
+
+    try:
+        pipeline.submit(RequestSpec(request_id="a", prompt="will fail", seed=1, modality=OutputModality.AUDIO), failing_sink)
+        assert done.wait(10), "the request in flight was not failed"
+        assert "decode step failed" in str(errors[0]), errors
+        assert pipeline.active_requests == 0
+        col = Collector()
+        pipeline.submit(RequestSpec(request_id="b", prompt="after the failure", seed=2, modality=OutputModality.AUDIO),
+                        col.sink_for("b"))
+        col.wait(1)
+        assert col.finish["b"] in ("stop", "length"), col.finish
+    finally:
+        pipeline.stop()
