@@ -117,7 +117,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Subcommands that hand their whole argument list to another entry point
+# (argparse's REMAINDER would swallow neither a leading --help nor options).
+_PASS_THROUGH = {
+    "bench": _cmd_bench,
+    "conformance": _cmd_conformance,
+    "decoder": _delegate("decoder_svc"),
+    "materializer": _delegate("materializer_svc"),
+    "gateway": _delegate("gateway"),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in _PASS_THROUGH:
+        return int(_PASS_THROUGH[argv[0]](argparse.Namespace(rest=argv[1:])) or 0)
     args = build_parser().parse_args(argv)
     return int(args.func(args) or 0)
 

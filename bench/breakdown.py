@@ -1,0 +1,184 @@
+"""breakdown: where the time of the decode critical path goes (diagnostic).
+
+`omni-serving bench breakdown [--quick] [--engine ...] [--batch N]`
+
+Runs the step-gap measurement for the heavy payload at one batch size in
+every mode, with perf counters around the functions the stage runner calls
+between sampling and the next launch (the names `decoder_svc.pipeline` and
+`decoder_svc.snapshot` look up at call time, and the arena's slot methods),
+counted on the stage thread only. The counters are installed for this
+diagnostic run and removed afterwards; the step-gap suite never runs with
+them. Also reported: CPU time per step of each thread group of the decoder
+process and of the materializer process (/proc via psutil), which shows who
+competes with the forward pass for the cores.
+"""
+
+from __future__ import annotations
+
+import collections
+import contextlib
+import dataclasses
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from bench import engines, step_gap
+from bench.common import SuiteResult, log, machine_info, machine_md, md_table, progress, write_json
+
+STAGE_THREAD = "stage-talker"
+
+
+class Counters:
+    def __init__(self) -> None:
+        self.total: collections.Counter[str] = collections.Counter()
+        self.calls: collections.Counter[str] = collections.Counter()
+
+    def wrap(self, name: str, fn):  # noqa: ANN001, ANN201
+        total, calls = self.total, self.calls
+
+        def timed(*args, **kwargs):  # noqa: ANN002, ANN003, ANN202
+            if threading.current_thread().name != STAGE_THREAD:
+                return fn(*args, **kwargs)
+            t = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                total[name] += time.perf_counter() - t
+                calls[name] += 1
+
+        return timed
+
+
+@contextlib.contextmanager
+def instrumented(counters: Counters):
+    import decoder_svc.pipeline as pipeline_mod
+    from decoder_svc.materializer_link import MaterializerLink
+    from decoder_svc.pipeline import Pipeline
+    from decoder_svc.snapshot import SnapshotMeta
+    from omni_common.shm_arena import ShmArena, SlotLease
+
+    patches = [
+        (pipeline_mod, "meta_of"), (pipeline_mod, "step_tensors"), (pipeline_mod, "take_snapshot"),
+        (pipeline_mod, "view_from_tensors"), (SnapshotMeta, "view_over"), (pipeline_mod, "build_step"),
+        (Pipeline, "_downstream"), (Pipeline, "_deliver"), (MaterializerLink, "submit"),
+        (ShmArena, "acquire"), (SlotLease, "write"), (SlotLease, "mark_ready"),
+    ]
+    saved = []
+    try:
+        for owner, name in patches:
+            if not (name in owner.__dict__ if isinstance(owner, type) else hasattr(owner, name)):
+                continue  # not on this version of the code path
+            orig = owner.__dict__[name] if isinstance(owner, type) else getattr(owner, name)
+            saved.append((owner, name, orig))
+            label = f"{getattr(owner, '__name__', owner)}.{name}".replace("decoder_svc.", "")
+            setattr(owner, name, counters.wrap(label, orig))
+        yield
+    finally:
+        for owner, name, orig in reversed(saved):
+            setattr(owner, name, orig)
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds per thread group of this process."""
+    import psutil
+
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out: collections.Counter[str] = collections.Counter()
+    for th in psutil.Process().threads():
+        name = names.get(th.id, "")
+        if name == STAGE_THREAD:
+            group = "decoder: stage thread (decode loop)"
+        elif name.startswith("decoder-"):
+            group = "decoder: link threads (sender/receiver or in-process builder)"
+        elif name:
+            group = "decoder: other Python threads"
+        else:
+            group = "decoder: native threads (OpenMP, gRPC)"
+        out[group] += th.user_time + th.system_time
+    return dict(out)
+
+
+def proc_cpu(pid: int) -> float:
+    import psutil
+
+    t = psutil.Process(pid).cpu_times()
+    return t.user + t.system + t.children_user + t.children_system
+
+
+def run(quick: bool, engine: str, batch: int, out_dir: Path) -> SuiteResult:
+    from omni_common.shm_arena import sweep_stale
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    cfg = step_gap.StepGapConfig.for_run(quick, engine)
+    steps = 12 if quick else 40
+    deployment = f"brk{os.getpid()}"
+    prefix = f"omni-{deployment}"
+    sweep_stale(prefix)
+    inner, engine_name, why = step_gap._build_engine(cfg)
+    backend = engines.MeasuredBackend(inner)
+    materializer = step_gap.MaterializerProcess(deployment).start()
+    rows: list[dict[str, Any]] = []
+    try:
+        step_gap._warm_engine(backend, engine_name, batch, cfg.warmup + 4)
+        with progress(len(step_gap.MODES), "breakdown", "mode") as bar:
+            for mode in step_gap.MODES:
+                counters = Counters()
+                cpu: dict[str, Any] = {}
+
+                def probe(when: str, _cpu=cpu) -> None:  # noqa: ANN001
+                    key = "0" if when == "running" else "1"
+                    _cpu["t" + key], _cpu["m" + key] = thread_cpu(), proc_cpu(materializer.pid)
+
+                with instrumented(counters):
+                    r = step_gap.run_one(backend, engine_name, "heavy", mode, batch, warmup=cfg.warmup, steps=steps,
+                                         materializer=materializer, prefix=prefix, round_no=0, probe=probe)
+                n_steps = max(1, len(backend.records))
+                groups = sorted(set(cpu["t0"]) | set(cpu["t1"]))
+                cpu_ms = {g: (cpu["t1"].get(g, 0) - cpu["t0"].get(g, 0)) / n_steps * 1e3 for g in groups}
+                cpu_ms["materializer process"] = (cpu["m1"] - cpu["m0"]) / n_steps * 1e3 if mode.startswith("remote") else 0.0
+                gaps = sorted(r["gaps_s"])
+                rows.append({
+                    "mode": mode, "steps_total": n_steps,
+                    "gap_p50_us": gaps[len(gaps) // 2] * 1e6 if gaps else float("nan"),
+                    "step_p50_ms": sorted(r["step_s"])[len(r["step_s"]) // 2] * 1e3 if r["step_s"] else float("nan"),
+                    "per_step_us": {k: v / n_steps * 1e6 for k, v in counters.total.items()},
+                    "calls_per_step": {k: v / n_steps for k, v in counters.calls.items()},
+                    "cpu_ms_per_step": cpu_ms,
+                })
+                bar.update(1)
+    finally:
+        materializer.stop()
+        backend.really_close()
+        sweep_stale(prefix)
+    data = {"suite": "breakdown", "quick": quick, "engine": engine_name, "engine_note": why, "batch": batch,
+            "machine": machine_info(), "results": rows}
+    write_json(out_dir / "results.json", data)
+    md = markdown(data)
+    (out_dir / "results.md").write_text(md)
+    log(f"breakdown written to {out_dir}")
+    return SuiteResult("breakdown", out_dir, data, [], md)
+
+
+def markdown(data: dict[str, Any]) -> str:
+    rows = data["results"]
+    lines = [f"# breakdown (heavy payload, batch {data['batch']})", "", machine_md(data["machine"]), "",
+             f"Engine: {data['engine_note']}.", "",
+             "Time per decode step spent in each function on the stage thread (us, mean over all steps of the run, "
+             "prefill included; nested calls are counted in their callers too).", ""]
+    names = sorted({k for r in rows for k in r["per_step_us"]})
+    lines.append(md_table(["function", *[r["mode"] for r in rows]],
+                          [[n, *[r["per_step_us"].get(n, 0.0) for r in rows]] for n in names]))
+    lines += ["", md_table(["", *[r["mode"] for r in rows]],
+                           [["gap p50 us (measured steps)", *[r["gap_p50_us"] for r in rows]],
+                            ["step p50 ms (measured steps)", *[r["step_p50_ms"] for r in rows]]])]
+    lines += ["", "CPU time per step (ms) by thread group / process:", ""]
+    groups = sorted({k for r in rows for k in r["cpu_ms_per_step"]})
+    lines.append(md_table(["where", *[r["mode"] for r in rows]],
+                          [[g, *[r["cpu_ms_per_step"].get(g, 0.0) for r in rows]] for g in groups]))
+    lines.append("")
+    return "\n".join(lines)
+
+
+__all__ = ["run", "dataclasses"]

@@ -1,0 +1,93 @@
+"""`omni-serving bench <suite> [--quick] [--out DIR]`.
+
+Suites: step-gap, handoff, e2e, all. Each writes results.json, results.md
+and PNG plots into its results folder (default
+bench/results/<suite>-<timestamp>/; `all` puts one subfolder per suite
+there plus summary.md with every table and the targets). Progress bars go
+to stderr.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+SUITES = ("step-gap", "handoff", "e2e")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="omni-serving bench", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("suite", choices=(*SUITES, "all", "breakdown"),
+                   help="which benchmark to run (breakdown: a diagnostic of the critical path, not part of all)")
+    p.add_argument("--quick", action="store_true",
+                   help="tiny sizes for CI (batch 1 and 4, payloads up to 1 MiB, concurrency 1 and 4, reference engine)")
+    p.add_argument("--out", default="", help="results folder (default bench/results/<suite>-<timestamp>/)")
+    p.add_argument("--engine", choices=("auto", "vllm", "reference"), default="auto",
+                   help="AR engine for step-gap and e2e (auto: vllm for full runs, reference for --quick)")
+    p.add_argument("--model-dir", default="",
+                   help="step-gap: folder for the hidden-2048 talker checkpoint (default: the user cache)")
+    p.add_argument("--batch", type=int, default=0, help="breakdown: batch size (default: the largest step-gap batch)")
+    p.add_argument("--e2e-model-dir", default="",
+                   help="e2e: checkpoints folder given to the decoder (default: the tts profile's own tiny models)")
+    return p
+
+
+def run_suite(name: str, args: argparse.Namespace, out_dir: Path):
+    if name == "step-gap":
+        from bench import step_gap
+
+        return step_gap.run(step_gap.StepGapConfig.for_run(args.quick, args.engine, args.model_dir), out_dir)
+    if name == "handoff":
+        from bench import handoff
+
+        return handoff.run(handoff.HandoffConfig.for_run(args.quick), out_dir)
+    if name == "e2e":
+        from bench import e2e
+
+        return e2e.run(e2e.E2EConfig.for_run(args.quick, args.engine, args.e2e_model_dir), out_dir)
+    if name == "breakdown":
+        from bench import breakdown, step_gap
+
+        batch = args.batch or max(step_gap.StepGapConfig.for_run(args.quick, args.engine).batches)
+        return breakdown.run(args.quick, args.engine, batch, out_dir)
+    raise ValueError(name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+    from bench.common import RESULTS_ROOT, log, results_dir, targets_md, timestamp
+
+    t0 = time.perf_counter()
+    if args.suite != "all":
+        out = results_dir(args.suite, args.out or None)
+        res = run_suite(args.suite, args, out)
+        log(f"{args.suite}: done in {time.perf_counter() - t0:.0f}s; results in {out}")
+        print(targets_md(res.targets))
+        print(f"\nresults: {out}")
+        return 0
+    root = Path(args.out) if args.out else RESULTS_ROOT / f"all-{timestamp()}"
+    root.mkdir(parents=True, exist_ok=True)
+    parts, targets = [], []
+    for name in SUITES:
+        t = time.perf_counter()
+        res = run_suite(name, args, results_dir(name, str(root / name)))
+        log(f"{name}: done in {time.perf_counter() - t:.0f}s")
+        parts.append(res.markdown)
+        targets += res.targets
+    summary = ["# omni-serving benchmarks" + (" (quick)" if args.quick else ""), "",
+               f"Total wall time: {time.perf_counter() - t0:.0f}s.", "", "## Targets", "", targets_md(targets), ""]
+    for md in parts:
+        summary += ["---", "", md]
+    (root / "summary.md").write_text("\n".join(summary))
+    print(targets_md(targets))
+    print(f"\nresults: {root}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,441 @@
+"""e2e: the tts profile through the gateway, async (materializer) vs sync.
+
+Two stacks of the real three services (`omni_cli.launcher.Stack`) run side by
+side: one with the materializer (async output path), one with
+`StackConfig(sync=True)` (payloads built in the decode step). Both are warmed
+up, then for every concurrency level the same N prompts (each with its own
+fixed seed) go through each stack's gateway (`Speak`, gRPC) with a
+closed-loop client pool of that concurrency; the order of the two stacks
+alternates between levels.
+
+Per level and stack: request throughput, TTFP (client side: request sent ->
+first non-empty audio chunk) p50/p99, RTF (request wall time / audio
+duration) p50/p99, audio seconds per wall second, and the sha256 of every
+request's PCM, compared between the stacks.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import hashlib
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from bench.common import (
+    RssSampler,
+    SuiteResult,
+    check,
+    growth_report,
+    log,
+    machine_info,
+    machine_md,
+    md_table,
+    plot_memory,
+    progress,
+    pyplot,
+    ratio,
+    summary,
+    targets_json,
+    targets_md,
+    write_json,
+)
+
+MODES = ("async", "sync")
+SAMPLE_RATE = 24_000
+TEXTS = (
+    "Hello there, this is a short test of the speech service.",
+    "The quick brown fox jumps over the lazy dog near the river bank.",
+    "Please read the following sentence aloud in a calm and friendly voice.",
+    "Streams of tokens are decoded step by step, one frame per request.",
+    "Good morning, good afternoon, good evening and good night to everyone.",
+    "She sells sea shells by the sea shore, and the shells are sea shells.",
+    "Numbers like one two three four five are spoken one after another.",
+    "Once upon a time there was a small model that could only say a few words.",
+)
+
+
+@dataclasses.dataclass
+class E2EConfig:
+    quick: bool = False
+    engine: str = "vllm"
+    concurrency: tuple[int, ...] = (1, 16, 64)
+    prompts: dict[int, int] = dataclasses.field(default_factory=lambda: {1: 16, 16: 96, 64: 384})
+    max_tokens: int = 64  # codec frames per request (12.5 frames per audio second)
+    temperature: float = 0.8
+    top_p: float = 0.95
+    warmup_max_tokens: int = 64  # warm-up: one request per client slot at the top concurrency, full length
+    model_dir: str = ""
+
+    @classmethod
+    def for_run(cls, quick: bool, engine: str = "auto", model_dir: str = "") -> E2EConfig:
+        if quick:
+            return cls(quick=True, engine="reference" if engine == "auto" else engine, concurrency=(1, 4),
+                       prompts={1: 3, 4: 8}, max_tokens=16, warmup_max_tokens=16, model_dir=model_dir)
+        return cls(engine="vllm" if engine == "auto" else engine, model_dir=model_dir)
+
+
+def prompt(i: int) -> tuple[str, int]:
+    return f"{TEXTS[i % len(TEXTS)]} Take {i}.", 7000 + i
+
+
+class Client:
+    """Closed-loop Speak clients against one gateway."""
+
+    def __init__(self, target: str, cfg: E2EConfig) -> None:
+        import grpc
+
+        from omni_serving.v1 import gateway_pb2_grpc
+
+        self.cfg = cfg
+        self.channel = grpc.insecure_channel(target, options=[("grpc.max_receive_message_length", 64 * 2**20)])
+        self.stub = gateway_pb2_grpc.OmniGatewayServiceStub(self.channel)
+
+    def speak(self, i: int, max_tokens: int, tag: str) -> dict[str, Any]:
+        import grpc
+
+        from omni_serving.v1 import common_pb2, gateway_pb2
+
+        text, seed = prompt(i)
+        req = gateway_pb2.SpeakRequest(
+            request_id=f"{tag}-{i}", text=text,
+            sampling_params=common_pb2.SamplingParams(seed=seed, max_tokens=max_tokens, temperature=self.cfg.temperature,
+                                                      top_p=self.cfg.top_p))
+        retries = 0
+        while True:
+            t0 = time.perf_counter()
+            first = None
+            pcm = hashlib.sha256()
+            nbytes = 0
+            last = None
+            try:
+                for chunk in self.stub.Speak(req, timeout=600):
+                    if chunk.audio:
+                        if first is None:
+                            first = time.perf_counter()
+                        pcm.update(chunk.audio)
+                        nbytes += len(chunk.audio)
+                    last = chunk
+            except grpc.RpcError as exc:
+                if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and retries < 1000:
+                    retries += 1  # the gateway's stream limit: the slot of a finished stream is not free yet
+                    time.sleep(0.01)
+                    continue
+                raise
+            t1 = time.perf_counter()
+            break
+        audio_s = nbytes / 2 / SAMPLE_RATE
+        m = last.metrics if last is not None else None
+        return {
+            "index": i, "start": t0, "end": t1, "ttfp_s": (first - t0) if first else float("nan"),
+            "wall_s": t1 - t0, "audio_s": audio_s, "rtf": (t1 - t0) / audio_s if audio_s else float("nan"),
+            "sha256": pcm.hexdigest(), "bytes": nbytes, "retries": retries,
+            "server_ttfp_ms": m.ttfp_ms if m else None, "server_rtf": m.rtf if m else None,
+        }
+
+    def run_level(self, indices: list[int], concurrency: int, max_tokens: int, tag: str, bar=None) -> list[dict[str, Any]]:  # noqa: ANN001
+        lock = threading.Lock()
+        todo = list(indices)
+        out: list[dict[str, Any]] = []
+
+        def worker() -> None:
+            while True:
+                with lock:
+                    if not todo:
+                        return
+                    i = todo.pop(0)
+                r = self.speak(i, max_tokens, tag)
+                with lock:
+                    out.append(r)
+                if bar is not None:
+                    bar.update(1)
+
+        with concurrent.futures.ThreadPoolExecutor(concurrency) as pool:
+            futs = [pool.submit(worker) for _ in range(concurrency)]
+            for f in futs:
+                f.result()
+        return sorted(out, key=lambda r: r["index"])
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+def decoder_info(target: str) -> dict[str, Any]:
+    import grpc
+
+    from omni_serving.v1 import decoder_pb2, decoder_pb2_grpc
+
+    with grpc.insecure_channel(target) as ch:
+        info = decoder_pb2_grpc.DecoderServiceStub(ch).GetDecoderInfo(decoder_pb2.GetDecoderInfoRequest(), timeout=30)
+    talker = info.stages[0]
+    return {
+        "engine": info.engine, "profile": info.profile,
+        "talker_output_path": decoder_pb2.OutputPath.Name(talker.output_path), "talker_reason": talker.reason,
+        "talker_steps": talker.steps, "materializer_connected": info.materializer_connected,
+        "fallback_steps": info.fallback_steps, "finished_requests": info.finished_requests,
+        "arena": {"region": info.arena.region, "num_slots": info.arena.num_slots, "slot_bytes": info.arena.slot_bytes,
+                  "peak_slots_in_use": info.arena.peak_slots_in_use, "slots_in_use": info.arena.slots_in_use},
+    }
+
+
+def cpu_snapshot(stack: Any) -> dict[str, float]:
+    """CPU seconds so far of each service of a stack, of this process (the
+    clients), and of the whole host (busy = not idle / iowait)."""
+    import psutil
+
+    out: dict[str, float] = {}
+    for svc in stack.services:
+        t = psutil.Process(svc.proc.pid).cpu_times()
+        out[svc.name] = t.user + t.system + t.children_user + t.children_system
+    t = psutil.Process().cpu_times()
+    out["bench clients"] = t.user + t.system
+    h = psutil.cpu_times()
+    out["host busy"] = sum(h) - h.idle - getattr(h, "iowait", 0.0)
+    return out
+
+
+def cpu_report(a: dict[str, float], b: dict[str, float], wall_s: float, requests: int) -> dict[str, Any]:
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    per_request_ms = {k: (b[k] - a[k]) / requests * 1e3 for k in a if k != "host busy"}
+    return {
+        "cpu_ms_per_request": per_request_ms,
+        "host_busy_pct": 100.0 * (b["host busy"] - a["host busy"]) / (wall_s * cores) if wall_s > 0 else float("nan"),
+        "stack_cpu_pct_of_host": 100.0 * sum(b[k] - a[k] for k in a if k not in ("host busy", "bench clients"))
+        / (wall_s * cores) if wall_s > 0 else float("nan"),
+    }
+
+
+def level_summary(reqs: list[dict[str, Any]]) -> dict[str, Any]:
+    wall = max(r["end"] for r in reqs) - min(r["start"] for r in reqs)
+    audio = sum(r["audio_s"] for r in reqs)
+    return {
+        "requests": len(reqs), "wall_s": wall, "throughput_rps": len(reqs) / wall,
+        "ttfp_ms": summary([r["ttfp_s"] for r in reqs], 1e3), "rtf": summary([r["rtf"] for r in reqs]),
+        "server_ttfp_ms": summary([r["server_ttfp_ms"] for r in reqs if r["server_ttfp_ms"]]),
+        "audio_s_total": audio, "audio_s_per_wall_s": audio / wall, "retries": sum(r["retries"] for r in reqs),
+    }
+
+
+def _ensure_models(cfg: E2EConfig) -> str:
+    if cfg.engine != "vllm":
+        return ""
+    from decoder_svc.vllm_engine.profiles import create_profile_models, default_model_root
+
+    root = Path(cfg.model_dir) if cfg.model_dir else default_model_root("tts")
+    if not cfg.model_dir:
+        create_profile_models("tts", root)
+    return str(root)
+
+
+def run(cfg: E2EConfig, out_dir: Path) -> SuiteResult:
+    out_dir.mkdir(parents=True, exist_ok=True)
+    from omni_cli.launcher import Stack, StackConfig
+
+    note = ""
+    if cfg.engine == "vllm":
+        import importlib.util
+
+        if importlib.util.find_spec("vllm") is None:
+            note = "vLLM is not installed here; the reference engine ran instead"
+            log(f"e2e: {note}")
+            cfg = dataclasses.replace(cfg, engine="reference")
+    model_dir = _ensure_models(cfg)
+    sampler = RssSampler().start()
+    stacks: dict[str, Any] = {}
+    clients: dict[str, Client] = {}
+    levels: dict[int, dict[str, Any]] = {}
+    infos: dict[str, Any] = {}
+    leftovers: dict[str, list[str]] = {}
+    windows: dict[str, dict[str, int]] = {}
+    try:
+        with progress(len(MODES), "e2e: starting stacks", "stack") as bar:
+            for mode in MODES:
+                s = Stack(StackConfig(profile="tts", engine=cfg.engine, model_dir=model_dir, sync=mode == "sync",
+                                      port=0, http_port=0, deployment=f"bench{mode}{os.getpid()}", log_level="WARNING"))
+                stacks[mode] = s
+                s.start(timeout_s=300)
+                for svc in s.services:
+                    assert svc.proc is not None
+                    sampler.add(f"{mode}/{svc.name}", svc.proc.pid)
+                clients[mode] = Client(s.gateway_target, cfg)
+                bar.update(1)
+        top = max(cfg.concurrency)
+        with progress(len(MODES) * top, "e2e: warm-up", "req") as bar:
+            for mode in MODES:
+                clients[mode].run_level(list(range(top)), top, cfg.warmup_max_tokens, f"warm-{mode}", bar)
+        time.sleep(0.5)
+        sampler.mark("after_warmup")
+        for k, c in enumerate(cfg.concurrency):
+            n = cfg.prompts[c]
+            order = MODES if k % 2 == 0 else tuple(reversed(MODES))
+            levels[c] = {}
+            for mode in order:
+                with progress(n, f"e2e: {mode} c={c}", "req") as bar:
+                    cpu0 = cpu_snapshot(stacks[mode])
+                    t0 = sampler.now()
+                    reqs = clients[mode].run_level(list(range(n)), c, cfg.max_tokens, f"c{c}-{mode}", bar)
+                    t1 = sampler.now()
+                    cpu1 = cpu_snapshot(stacks[mode])
+                summ = level_summary(reqs)
+                summ["cpu"] = cpu_report(cpu0, cpu1, t1 - t0, n)
+                levels[c][mode] = {"summary": summ, "requests": reqs}
+                windows[f"c{c}/{mode}"] = {name: sampler.peak_between(name, t0, t1) for name in sampler.timeline
+                                           if name.startswith(mode + "/")}
+        time.sleep(0.5)
+        sampler.mark("end")
+        for mode in MODES:
+            infos[mode] = decoder_info(stacks[mode].decoder_target)
+    finally:
+        for c in clients.values():
+            c.close()
+        for mode, s in stacks.items():
+            for svc in s.services:
+                sampler.remove(f"{mode}/{svc.name}")
+            leftovers[mode] = s.stop()
+        sampler.stop()
+    hashes = []
+    for c, lv in levels.items():
+        a = {r["index"]: r["sha256"] for r in lv["async"]["requests"]}
+        s = {r["index"]: r["sha256"] for r in lv["sync"]["requests"]}
+        for i in sorted(a):
+            hashes.append({"concurrency": c, "index": i, "async": a[i], "sync": s.get(i), "equal": a[i] == s.get(i)})
+    idle = sampler.marks.get("after_warmup", {}).get("async/materializer")
+    top = max(cfg.concurrency)
+    mat_peak_top = windows.get(f"c{top}/async", {}).get("async/materializer")
+    memory = {
+        "processes": growth_report(sampler),
+        "materializer_idle_mib": idle / 2**20 if idle else None,
+        "materializer_peak_at_top_mib": mat_peak_top / 2**20 if mat_peak_top else None,
+        "peaks_per_level_mib": {k: {n: v / 2**20 for n, v in w.items()} for k, w in windows.items()},
+        "arena": {m: infos[m]["arena"] for m in infos},
+        "shm_segments_left_after_stop": leftovers,
+    }
+    targets = e2e_targets(levels, hashes, memory, top)
+    data = {
+        "suite": "e2e", "quick": cfg.quick, "engine": cfg.engine, "engine_note": note, "model_dir": model_dir,
+        "config": dataclasses.asdict(cfg), "machine": machine_info(),
+        "levels": {str(c): {m: lv[m]["summary"] for m in MODES} for c, lv in levels.items()},
+        "requests": {str(c): {m: lv[m]["requests"] for m in MODES} for c, lv in levels.items()},
+        "hashes": hashes, "decoder_info": infos, "memory": memory, "targets": targets_json(targets),
+    }
+    write_json(out_dir / "results.json", data)
+    (out_dir / "hashes.txt").write_text("".join(
+        f"c={h['concurrency']} #{h['index']} async={h['async']} sync={h['sync']} {'equal' if h['equal'] else 'DIFFERENT'}\n"
+        for h in hashes))
+    for h in hashes:
+        print(f"sha256 c={h['concurrency']:<3} #{h['index']:<4} async={h['async'][:16]} sync={(h['sync'] or '')[:16]} "
+              f"{'equal' if h['equal'] else 'DIFFERENT'}", flush=True)
+    plot(data, out_dir)
+    plot_memory(sampler, out_dir / "memory.png", "e2e: RSS per service")
+    md = markdown(data, targets)
+    (out_dir / "results.md").write_text(md)
+    return SuiteResult("e2e", out_dir, data, targets, md)
+
+
+def e2e_targets(levels, hashes, memory, top: int):  # noqa: ANN001
+    lv = levels.get(top, {})
+    a, s = lv.get("async", {}).get("summary"), lv.get("sync", {}).get("summary")
+    thr = ratio(a["throughput_rps"], s["throughput_rps"]) if a and s else None
+    ttfp = ratio(a["ttfp_ms"]["p50"], s["ttfp_ms"]["p50"]) if a and s else None
+    rtf = ratio(a["rtf"]["p50"], s["rtf"]["p50"]) if a and s else None
+    equal = sum(h["equal"] for h in hashes)
+    idle, peak = memory.get("materializer_idle_mib"), memory.get("materializer_peak_at_top_mib")
+    mat = ratio(peak, idle) if idle and peak else None
+    grew = [n for n, m in memory["processes"].items() if m["grew_over_limit"]]
+    worst = max((m["growth"] for m in memory["processes"].values()), default=None)
+    at = f"concurrency {top}"
+    return [
+        check("e2e throughput: async / sync", thr, ">= 1.3x", lambda v: v >= 1.3, "x", at),
+        check("e2e TTFP p50: async / sync", ttfp, "<= 1.0x", lambda v: v <= 1.0, "x", at),
+        check("e2e RTF p50: async / sync", rtf, "<= 0.75x", lambda v: v <= 0.75, "x", at),
+        check("e2e audio hashes equal (async vs sync)", float(equal), f"{len(hashes)}/{len(hashes)}",
+              lambda v: hashes and v == len(hashes), f"/{len(hashes)}", "sha256 of every request's PCM"),
+        check("materializer RSS during e2e / idle", mat, "<= 1.1x", lambda v: v <= 1.1, "x", f"peak at {at} vs after warm-up"),
+        check("service RSS growth after warm-up (worst)", worst * 100 if worst is not None else None, "<= 10% each",
+              lambda v: v <= 10, "%", ("grew: " + ", ".join(grew)) if grew else "all services"),
+    ]
+
+
+def markdown(data: dict[str, Any], targets) -> str:  # noqa: ANN001
+    cfg = data["config"]
+    engine = data["engine"] + (f" (checkpoints {data['model_dir']})" if data["model_dir"] else "")
+    if data.get("engine_note"):
+        engine += f" ({data['engine_note']})"
+    lines = [f"# e2e{' (quick)' if data['quick'] else ''}", "", machine_md(data["machine"]), "",
+             f"Profile tts, engine {engine}; {cfg['max_tokens']} codec frames per request "
+             f"({cfg['max_tokens'] / 12.5:.2f} s of audio), temperature {cfg['temperature']}, top_p {cfg['top_p']}, "
+             "a fixed seed per prompt. Client: closed loop over gRPC Speak; TTFP = request sent -> first audio chunk.", ""]
+    rows = []
+    for c, lv in data["levels"].items():
+        for m in MODES:
+            s = lv[m]
+            rows.append([c, m, s["requests"], s["wall_s"], s["throughput_rps"], s["ttfp_ms"]["p50"], s["ttfp_ms"]["p99"],
+                         s["rtf"]["p50"], s["rtf"]["p99"], s["audio_s_per_wall_s"], s["retries"]])
+    lines.append(md_table(["concurrency", "path", "requests", "wall s", "req/s", "TTFP p50 ms", "TTFP p99 ms", "RTF p50",
+                           "RTF p99", "audio s / wall s", "gateway retries"], rows))
+    lines += ["", "Async / sync at each level:", ""]
+    rows = []
+    for c, lv in data["levels"].items():
+        a, s = lv["async"], lv["sync"]
+        eq = [h for h in data["hashes"] if str(h["concurrency"]) == c]
+        rows.append([c, ratio(a["throughput_rps"], s["throughput_rps"]), ratio(a["ttfp_ms"]["p50"], s["ttfp_ms"]["p50"]),
+                     ratio(a["rtf"]["p50"], s["rtf"]["p50"]), ratio(a["audio_s_per_wall_s"], s["audio_s_per_wall_s"]),
+                     f"{sum(h['equal'] for h in eq)}/{len(eq)}"])
+    lines.append(md_table(["concurrency", "throughput", "TTFP p50", "RTF p50", "audio s / wall s", "hashes equal"], rows))
+    lines += ["", "CPU per request (ms, all processes of the stack and the client) and host CPU use during each level:", ""]
+    rows = []
+    for c, lv in data["levels"].items():
+        for m in MODES:
+            cpu = lv[m].get("cpu")
+            if not cpu:
+                continue
+            per = cpu["cpu_ms_per_request"]
+            rows.append([c, m, per.get("decoder"), per.get("materializer", 0.0), per.get("gateway"),
+                         per.get("bench clients"), sum(v for k, v in per.items() if k != "bench clients"),
+                         f"{cpu['host_busy_pct']:.0f}%"])
+    lines.append(md_table(["concurrency", "path", "decoder", "materializer", "gateway", "clients (bench)",
+                           "stack total", "host CPU busy"], rows))
+    lines += ["", "## Decoder info at the end", ""]
+    lines.append(md_table(["stack", "talker path", "reason", "fallback steps", "arena", "peak slots in use"],
+                          [[m, i["talker_output_path"], i["talker_reason"], i["fallback_steps"],
+                            f"{i['arena']['num_slots']} x {i['arena']['slot_bytes'] // 2**20} MiB",
+                            i["arena"]["peak_slots_in_use"]] for m, i in data["decoder_info"].items()]))
+    mem = data["memory"]
+    lines += ["", "## Memory", ""]
+    lines.append(md_table(["process", "peak RSS MiB", "RSS after warm-up MiB", "RSS at end MiB", "growth", "flag"],
+                          [[n, m["peak_mib"], m["rss_after_warmup_mib"], m["rss_end_mib"], f"{m['growth'] * 100:+.1f}%",
+                            "GREW > 10%" if m["grew_over_limit"] else "ok"] for n, m in mem["processes"].items()]))
+    lines += ["", f"Materializer RSS idle (after warm-up) {mem['materializer_idle_mib'] or float('nan'):.0f} MiB, "
+              f"peak at the top concurrency {mem['materializer_peak_at_top_mib'] or float('nan'):.0f} MiB. "
+              f"Shared-memory segments left after stop: {mem['shm_segments_left_after_stop']}.", ""]
+    lines += ["## Audio hashes (sha256, first 16 hex digits; full in hashes.txt)", ""]
+    lines.append(md_table(["concurrency", "#", "async", "sync", "equal"],
+                          [[h["concurrency"], h["index"], h["async"][:16], (h["sync"] or "")[:16], h["equal"]]
+                           for h in data["hashes"]]))
+    lines += ["", "## Targets", "", targets_md(targets), "", "Plots: e2e.png, memory.png.", ""]
+    return "\n".join(lines)
+
+
+def plot(data: dict[str, Any], out_dir: Path) -> None:
+    plt = pyplot()
+    cs = list(data["levels"])
+    fig, axes = plt.subplots(1, 4, figsize=(16, 4))
+    panels = (("throughput_rps", None, "requests / s"), ("ttfp_ms", "p50", "TTFP p50 (ms)"),
+              ("rtf", "p50", "RTF p50"), ("audio_s_per_wall_s", None, "audio s / wall s"))
+    for ax, (key, sub, label) in zip(axes, panels, strict=True):
+        for j, m in enumerate(MODES):
+            vals = [data["levels"][c][m][key][sub] if sub else data["levels"][c][m][key] for c in cs]
+            ax.bar([i + (j - 0.5) * 0.38 for i in range(len(cs))], vals, 0.38, label=m)
+        ax.set_xticks(range(len(cs)), [f"c={c}" for c in cs])
+        ax.set_title(label)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(out_dir / "e2e.png", dpi=110)
+    plt.close(fig)
+
+
+__all__ = ["E2EConfig", "run", "log"]

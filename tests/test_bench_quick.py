@@ -1,0 +1,113 @@
+"""`omni-serving bench all --quick`: every suite runs and writes its results.
+
+Correctness only (every mode ran and produced numbers, audio hashes agree,
+the JSON / Markdown / PNG files exist); never time: the figures are for
+people to read, on a machine whose load nobody controls.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+
+from bench import cli, e2e, handoff, step_gap
+
+pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
+
+
+@pytest.fixture(scope="module")
+def results(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("bench")
+    assert cli.main(["all", "--quick", "--out", str(out)]) == 0
+    return out
+
+
+def load(results: Path, suite: str) -> dict:
+    folder = results / suite
+    for name in ("results.json", "results.md", "memory.png"):
+        assert (folder / name).is_file() and (folder / name).stat().st_size > 0, f"{suite}: {name} missing"
+    return json.loads((folder / "results.json").read_text())
+
+
+def finite(*xs) -> bool:
+    return all(isinstance(x, (int, float)) and math.isfinite(x) for x in xs)
+
+
+def check_memory(mem: dict) -> None:
+    assert mem["processes"], "no process was sampled"
+    for name, m in mem["processes"].items():
+        assert m["peak_mib"] > 0 and finite(m["rss_after_warmup_mib"], m["rss_end_mib"], m["growth"]), name
+
+
+def test_step_gap_every_mode_ran(results):
+    data = load(results, "step-gap")
+    cfg = step_gap.StepGapConfig.for_run(quick=True)
+    assert data["engine"] in ("reference", "vllm") and data["engine_note"]
+    got = {(r["payload"], r["mode"], r["batch"]): r for r in data["results"]}
+    for payload in step_gap.PAYLOADS:
+        for mode in step_gap.MODES:
+            for batch in cfg.batches:
+                r = got[(payload, mode, batch)]
+                assert r["gap_us"]["n"] == cfg.steps[batch], (payload, mode, batch, r["gap_us"]["n"])
+                assert finite(r["gap_us"]["p50"], r["gap_us"]["p99"], r["step_ms"]["p50"], r["step_ms"]["p99"])
+                want = "async" if mode in ("thread", "remote-shm", "remote-inline") else "sync"
+                assert r["output_path"] == want, (payload, mode, batch)
+                if mode.startswith("remote"):
+                    assert r["remote_steps"] > 0 and r["fallback_steps"] == 0, r
+                if mode in ("thread", "remote-shm"):
+                    assert r["peak_slots_in_use"] >= 1, r
+    check_memory(data["memory"])
+    assert data["memory"]["arena"]["num_slots"] * data["memory"]["arena"]["slot_bytes"] > 0
+    assert len(data["targets"]) == 3
+    for png in ("gap.png", "step.png"):
+        assert (results / "step-gap" / png).stat().st_size > 0
+
+
+def test_handoff_every_size_measured(results):
+    data = load(results, "handoff")
+    cfg = handoff.HandoffConfig.for_run(quick=True)
+    assert [r["size"] for r in data["results"]] == list(cfg.sizes)
+    for r in data["results"]:
+        for key in ("memcpy_torch_us", "memcpy_numpy_us", "arena_write_us", "shm_roundtrip_us", "inline_roundtrip_us"):
+            assert r[key]["n"] == r["iters"] >= cfg.iters(r["size"]) and finite(r[key]["p50"]), (r["size"], key)
+        assert finite(r["inline_over_shm"], r["arena_copy_pct_of_memcpy"])
+        # handles, not bytes: the shm snapshot stays small; the inline one carries the payload
+        assert r["snapshot_bytes"]["shm"] < 256
+        assert r["snapshot_bytes"]["inline"] >= r["size"]
+    check_memory(data["memory"])
+    for png in ("handoff.png", "bandwidth.png", "snapshot_size.png"):
+        assert (results / "handoff" / png).stat().st_size > 0
+
+
+def test_e2e_async_and_sync_give_the_same_audio(results):
+    data = load(results, "e2e")
+    cfg = e2e.E2EConfig.for_run(quick=True)
+    assert sorted(int(c) for c in data["levels"]) == sorted(cfg.concurrency)
+    for c, level in data["levels"].items():
+        for mode in e2e.MODES:
+            s = level[mode]
+            assert s["requests"] == cfg.prompts[int(c)], (c, mode)
+            assert finite(s["throughput_rps"], s["ttfp_ms"]["p50"], s["ttfp_ms"]["p99"], s["rtf"]["p50"])
+            assert s["audio_s_total"] > 0
+    hashes = data["hashes"]
+    assert len(hashes) == sum(cfg.prompts[c] for c in cfg.concurrency)
+    different = [h for h in hashes if not h["equal"]]
+    assert not different, f"async and sync audio differ: {different}"
+    info = data["decoder_info"]
+    assert info["async"]["talker_output_path"] == "OUTPUT_PATH_ASYNC" and info["async"]["fallback_steps"] == 0
+    assert info["sync"]["talker_output_path"] == "OUTPUT_PATH_SYNC"
+    assert info["async"]["arena"]["peak_slots_in_use"] >= 1
+    assert data["memory"]["shm_segments_left_after_stop"] == {"async": [], "sync": []}
+    check_memory(data["memory"])
+    assert (results / "e2e" / "e2e.png").stat().st_size > 0
+    assert (results / "e2e" / "hashes.txt").read_text().count("equal") == len(hashes)
+
+
+def test_summary_has_the_targets_table(results):
+    text = (results / "summary.md").read_text()
+    assert "## Targets" in text and "| target | measured | goal | status |" in text
+    for suite in ("# step-gap", "# handoff", "# e2e"):
+        assert suite in text
