@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -48,19 +46,10 @@ def ensure_talker_model(root: Path | None, hidden_size: int = BENCH_HIDDEN, num_
         have = json.loads(cfg.read_text())
         if have.get("hidden_size") == hidden_size and have.get("num_layers") == num_layers and have.get("kind") == "talker":
             return folder
-    from decoder_svc.vllm_engine.models import create_model
+    from decoder_svc.vllm_engine.models import create_model_atomically
 
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".talker-", dir=folder))
-    try:
-        log(f"creating a talker checkpoint (hidden {hidden_size}, {num_layers} layer(s)) in {target}")
-        create_model("talker", tmp, hidden_size=hidden_size, num_layers=num_layers)
-        if target.exists():
-            shutil.rmtree(target)
-        tmp.rename(target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    log(f"creating a talker checkpoint (hidden {hidden_size}, {num_layers} layer(s)) in {target}")
+    create_model_atomically("talker", target, hidden_size=hidden_size, num_layers=num_layers)
     return folder
 
 

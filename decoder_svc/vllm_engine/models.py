@@ -277,3 +277,22 @@ if __name__ == "__main__":  # pragma: no cover - manual use
     ap.add_argument("--seed", type=int, default=0)
     a = ap.parse_args()
     print(create_model(a.kind, a.out_dir, seed=a.seed))
+
+
+def create_model_atomically(kind: str, target: Path, **kwargs: Any) -> Path:
+    """create_model into a temporary sibling of `target`, then rename it into
+    place: an interrupted run never leaves a half-written checkpoint."""
+    import shutil
+    import tempfile
+
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    try:
+        create_model(kind, tmp, **kwargs)
+        if target.exists():
+            shutil.rmtree(target)
+        tmp.rename(target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target

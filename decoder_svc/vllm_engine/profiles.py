@@ -12,8 +12,6 @@ Heavy imports (torch, vllm) happen only inside these functions.
 from __future__ import annotations
 
 import os
-import shutil
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -104,26 +102,17 @@ def _matches(model_dir: Path, want: dict[str, Any]) -> bool:
 
 
 def _write_stage_model(stage: StageConfig, target: Path, seed: int) -> None:
-    """create_model into a temporary sibling, then rename into place."""
-    from .models import create_model
+    from .models import create_model_atomically
 
-    tmp = Path(tempfile.mkdtemp(prefix=f".{stage.name}-", dir=target.parent))
-    try:
-        create_model(
-            _role(stage),
-            tmp,
-            seed=seed,
-            vocab_size=DEFAULT_MODEL_SIZES["vocab_size"],
-            hidden_size=DEFAULT_MODEL_SIZES["hidden_size"],
-            num_layers=DEFAULT_MODEL_SIZES["num_layers"],
-            num_codebooks=DEFAULT_MODEL_SIZES["num_codebooks"],
-        )
-        if target.exists():
-            shutil.rmtree(target)
-        tmp.rename(target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+    create_model_atomically(
+        _role(stage),
+        target,
+        seed=seed,
+        vocab_size=DEFAULT_MODEL_SIZES["vocab_size"],
+        hidden_size=DEFAULT_MODEL_SIZES["hidden_size"],
+        num_layers=DEFAULT_MODEL_SIZES["num_layers"],
+        num_codebooks=DEFAULT_MODEL_SIZES["num_codebooks"],
+    )
 
 
 def create_profile_models(profile_name: str | Profile, out_dir: Path, *, seed: int = 0) -> dict[str, Path]:
