@@ -20,6 +20,7 @@ deployment prefix.
 
 from __future__ import annotations
 
+import ctypes
 import errno
 import fcntl
 import logging
@@ -158,7 +159,11 @@ class SlotLease:
                 f"({start} used); raise the arena's slot_bytes"
             )
         offset = self.arena.slot_offset(self.slot) + start
-        if nbytes:
+        if nbytes and t.device.type == "cpu" and t.is_contiguous():
+            # One plain memcpy (GIL released): no view objects, and no
+            # intra-op thread pool to wake, which a busy engine also uses.
+            ctypes.memmove(self.arena.base_address + offset, t.data_ptr(), nbytes)
+        elif nbytes:
             dst = self.arena.data_view(offset, nbytes).view(t.dtype).view(t.shape)
             dst.copy_(t, non_blocking=non_blocking)
         self._cursor = start + nbytes
@@ -212,6 +217,7 @@ class ShmArena:
         self._fd = fd  # held open: keeps the flock that marks the arena as live
         HEADER.pack_into(self._mm, 0, MAGIC, VERSION, num_slots, self.slot_bytes, self.data_offset)
         self._data = torch.frombuffer(self._mm, dtype=torch.uint8)
+        self.base_address = self._data.data_ptr()
         self._cond = threading.Condition()
         self._free = list(range(num_slots - 1, -1, -1))
         self._generation = [0] * num_slots
