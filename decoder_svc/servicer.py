@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import secrets
 import zlib
 from collections.abc import AsyncIterator
 
@@ -127,7 +126,3 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             resp.arena.slots_in_use = a.in_use
             resp.arena.peak_slots_in_use = a.peak_in_use
         return resp
-
-
-def new_request_id() -> str:
-    return f"req-{secrets.token_hex(8)}"

@@ -31,7 +31,6 @@ import secrets
 import struct
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -138,9 +137,6 @@ class SlotLease:
     @property
     def bytes_used(self) -> int:
         return self._cursor
-
-    def fits(self, nbytes: int) -> bool:
-        return _align(self._cursor) + nbytes <= self.arena.slot_bytes
 
     def write(self, tensor: torch.Tensor, *, non_blocking: bool = False) -> tensor_pb2.TensorRef:
         """Copy `tensor` into the slot (one memcpy); return its handle.
@@ -285,11 +281,6 @@ class ShmArena:
             self._free.append(slot)
             self._cond.notify()
             return True
-
-    def wait_idle(self, timeout: float) -> bool:
-        """Wait until no slot is held (used at shutdown)."""
-        with self._cond:
-            return self._cond.wait_for(lambda: not self._held, timeout)
 
     def close(self) -> None:
         """Unlink the segment and drop the mapping. Safe to call twice."""
@@ -505,6 +496,3 @@ class ArenaReader:
                 mapped.mm.close()
             except BufferError:
                 logger.debug("region %s still referenced", region)
-
-
-ReadyWaiter = Callable[[tensor_pb2.ShmHandle, float], None]
