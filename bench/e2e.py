@@ -220,14 +220,14 @@ def level_summary(reqs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def _ensure_models(cfg: E2EConfig) -> str:
+    """The Qwen3-Omni checkpoint to serve (default: the tiny one in the model cache)."""
     if cfg.engine != "vllm":
         return ""
-    from decoder_svc.vllm_engine.profiles import create_profile_models, default_model_root
+    if cfg.model_dir:
+        return cfg.model_dir
+    from decoder_svc.qwen3_omni.cache import default_model_dir
 
-    root = Path(cfg.model_dir) if cfg.model_dir else default_model_root("tts")
-    if not cfg.model_dir:
-        create_profile_models("tts", root)
-    return str(root)
+    return str(default_model_dir())
 
 
 def run(cfg: E2EConfig, out_dir: Path) -> SuiteResult:
@@ -253,7 +253,7 @@ def run(cfg: E2EConfig, out_dir: Path) -> SuiteResult:
     try:
         with progress(len(MODES), "e2e: starting stacks", "stack") as bar:
             for mode in MODES:
-                s = Stack(StackConfig(profile="tts", engine=cfg.engine, model_dir=model_dir, sync=mode == "sync",
+                s = Stack(StackConfig(profile="tts", engine=cfg.engine, model=model_dir, sync=mode == "sync",
                                       port=0, http_port=0, deployment=f"bench{mode}{os.getpid()}", log_level="WARNING"))
                 stacks[mode] = s
                 s.start(timeout_s=300)

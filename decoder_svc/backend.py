@@ -29,6 +29,11 @@ class RequestSpec:
     modality: OutputModality = OutputModality.AUDIO
     # Conditioning from an upstream stage (e.g. the thinker's hidden states).
     conditioning: dict[str, torch.Tensor] = field(default_factory=dict)
+    # The first stage's prompt as token ids (a rendered chat prompt), and the
+    # assistant reply to speak as is (a talker-first pipeline), when the
+    # engine prepares requests that way.
+    prompt_token_ids: list[int] = field(default_factory=list)
+    reply_token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass

@@ -86,16 +86,55 @@ class ReferenceVocoder:
         return (out.astype(np.float32) / np.float32(32768.0)).astype(np.float32)
 
 
-class ChunkState:
-    """Per-request chunking state of code2wav."""
+class ReferenceStream:
+    """One request's audio from the reference vocoder: frames in, samples out.
 
-    def __init__(self, ramp: Sequence[int], chunk_frames: int, left_context: int, voice: str, num_codebooks: int):
+    Each push re-decodes up to ``left_context`` earlier frames (inside the
+    vocoder's receptive field, so chunked audio equals whole-sequence audio).
+    """
+
+    def __init__(self, vocoder: ReferenceVocoder, voice: str, left_context: int) -> None:
+        self.vocoder = vocoder
+        self.voice = voice
+        self.left_context = left_context
+        self.frames = np.zeros((0, vocoder.num_codebooks), dtype=np.int64)
+
+    def push(self, codes: np.ndarray) -> np.ndarray:
+        start = self.frames.shape[0]
+        self.frames = np.concatenate([self.frames, np.asarray(codes, dtype=np.int64).reshape(-1, self.frames.shape[1])])
+        ctx_start = max(0, start - self.left_context)
+        audio = self.vocoder.decode(self.frames[ctx_start:], ctx_start, self.voice)
+        return audio[(start - ctx_start) * SAMPLES_PER_FRAME :]
+
+
+class ReferenceVocoderFactory:
+    """The reference vocoder behind the streaming-vocoder interface the
+    generation stage uses: ``new_stream(voice)``, ``voices``, ``sample_rate``,
+    ``num_codebooks``, ``codebook_size``."""
+
+    sample_rate = SAMPLE_RATE_HZ
+    voices = VOICES
+
+    def __init__(self, num_codebooks: int = 16, codec_vocab: int = 2048, left_context: int = 25) -> None:
+        self.vocoder = ReferenceVocoder(num_codebooks=num_codebooks, codec_vocab=codec_vocab)
+        self.num_codebooks = num_codebooks
+        self.codebook_size = codec_vocab
+        self.left_context = left_context
+
+    def new_stream(self, voice: str) -> ReferenceStream:
+        return ReferenceStream(self.vocoder, voice, self.left_context)
+
+
+class ChunkState:
+    """Per-request chunking of code2wav: frames arrive, chunks go out at
+    boundaries that depend only on the frame index (ramp, then chunk_frames)."""
+
+    def __init__(self, ramp: Sequence[int], chunk_frames: int, stream, num_codebooks: int):
         self.frames = np.zeros((0, num_codebooks), dtype=np.int64)
         self._bounds = chunk_boundaries(ramp, chunk_frames)
         self.next_end = next(self._bounds)
         self.emitted = 0  # frames whose audio went out
-        self.left_context = left_context
-        self.voice = voice
+        self.stream = stream
         self.chunk_index = 0
 
     def add(self, codes: np.ndarray) -> None:
@@ -113,9 +152,8 @@ class ChunkState:
             self.emitted = self.frames.shape[0]
         return out
 
-    def decode(self, vocoder: ReferenceVocoder, start: int, end: int) -> np.ndarray:
-        """Decode [start, end) with left context, dropping the context's samples."""
-        ctx_start = max(0, start - self.left_context)
-        audio = vocoder.decode(self.frames[ctx_start:end], ctx_start, self.voice)
+    def decode(self, start: int, end: int) -> np.ndarray:
+        """The new samples that frames [start, end) complete."""
         self.chunk_index += 1
-        return audio[(start - ctx_start) * SAMPLES_PER_FRAME :]
+        audio = self.stream.push(self.frames[start:end])
+        return np.asarray(audio, dtype=np.float32).reshape(-1)

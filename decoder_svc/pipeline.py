@@ -24,12 +24,7 @@ import torch
 
 from decoder_svc import metrics
 from decoder_svc.backend import ARBackend, RequestSpec, StepOutput
-from decoder_svc.code2wav import (
-    SAMPLE_RATE_HZ,
-    VOICES,
-    ChunkState,
-    ReferenceVocoder,
-)
+from decoder_svc.code2wav import ChunkState, ReferenceVocoderFactory
 from decoder_svc.cuda_staging import CudaStaging
 from decoder_svc.guards import GuardDecision, evaluate, log_decision
 from decoder_svc.materializer_link import MaterializerLink
@@ -59,9 +54,11 @@ class RequestContext:
     # inter-stage payload pieces collected for the next AR stage, by key
     handoff: dict[str, list[torch.Tensor]] = field(default_factory=dict)
 
+    sample_rate: int = 24_000
+
     def metrics(self) -> common_pb2.RequestMetrics:
         now = time.perf_counter()
-        audio_s = self.audio_samples / SAMPLE_RATE_HZ
+        audio_s = self.audio_samples / self.sample_rate
         return common_pb2.RequestMetrics(
             ttfp_ms=(self.first_audio_s - self.arrival_s) * 1e3 if self.first_audio_s else 0.0,
             rtf=(now - self.arrival_s) / audio_s if audio_s else 0.0,
@@ -182,11 +179,12 @@ class StageRunner:
 class Code2WavWorker:
     """The generation stage: codec frames -> audio chunks, per request."""
 
-    def __init__(self, config: StageConfig, emit: Callable[[str, np.ndarray, bool, str], None], *, num_codebooks: int, codec_vocab: int):
+    def __init__(self, config: StageConfig, emit: Callable[[str, np.ndarray, bool, str], None], *, vocoder):
         self.config = config
         self.emit = emit
-        self.num_codebooks = num_codebooks
-        self.vocoder = ReferenceVocoder(num_codebooks=num_codebooks, codec_vocab=codec_vocab)
+        self.vocoder = vocoder
+        self.num_codebooks = int(vocoder.num_codebooks)
+        self.codebook_size = int(vocoder.codebook_size)
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._states: dict[str, ChunkState] = {}
         self._thread = threading.Thread(target=self._loop, name="code2wav", daemon=True)
@@ -212,7 +210,7 @@ class Code2WavWorker:
         st = self._states.get(request_id)
         if st is None:
             c = self.config
-            st = ChunkState(c.initial_chunk_ramp, c.codec_chunk_frames, c.codec_left_context_frames, voice, self.num_codebooks)
+            st = ChunkState(c.initial_chunk_ramp, c.codec_chunk_frames, self.vocoder.new_stream(voice), self.num_codebooks)
             self._states[request_id] = st
         return st
 
@@ -228,12 +226,14 @@ class Code2WavWorker:
             st = self._state(rid, voice)
             final = kind == "finish"
             if not final:
-                st.add(value)
+                codes = np.asarray(value).reshape(-1, self.num_codebooks)
+                # an end-of-speech row (codebook 0 outside the codebook) is no frame
+                st.add(codes[codes[:, 0] < self.codebook_size])
             chunks = st.ready_chunks(final)
             for i, (start, end) in enumerate(chunks):
                 last = final and i == len(chunks) - 1
                 self.chunks += 1
-                self.emit(rid, st.decode(self.vocoder, start, end), last, value if last else "")
+                self.emit(rid, st.decode(start, end), last, value if last else "")
             if final:
                 if not chunks:
                     self.emit(rid, np.zeros(0, dtype=np.float32), True, value)
@@ -256,7 +256,14 @@ class Pipeline:
         in_process_builder: bool = False,
         readiness_timeout_ms: int = 5000,
         stall_timeout_s: float = 10.0,
+        vocoder=None,
+        prepare: Callable[[RequestSpec], RequestSpec] | None = None,
     ) -> None:
+        """vocoder: the generation stage's streaming vocoder (``new_stream``,
+        ``voices``, ``sample_rate``, ``num_codebooks``, ``codebook_size``);
+        default: the reference vocoder. prepare: turns a request into what
+        the first stage takes (e.g. a chat prompt, tokenized), or raises
+        InvalidArgumentError."""
         self.profile = profile
         self.backends = backends
         self.arena = arena
@@ -316,13 +323,18 @@ class Pipeline:
             )
             for s in self.ar_configs
         }
-        talker = backends[self.ar_configs[-1].name]
-        self.code2wav = Code2WavWorker(
-            self.gen_config,
-            self._emit_audio,
-            num_codebooks=getattr(talker, "num_codebooks", 16),
-            codec_vocab=getattr(talker, "codec_vocab", 2048),
-        )
+        if vocoder is None:
+            talker = backends[self.ar_configs[-1].name]
+            vocoder = ReferenceVocoderFactory(
+                num_codebooks=getattr(talker, "num_codebooks", 16),
+                codec_vocab=getattr(talker, "codec_vocab", 2048),
+                left_context=self.gen_config.codec_left_context_frames,
+            )
+        self.vocoder = vocoder
+        self.voices: tuple[str, ...] = tuple(vocoder.voices)
+        self.sample_rate = int(vocoder.sample_rate)
+        self._prepare = prepare
+        self.code2wav = Code2WavWorker(self.gen_config, self._emit_audio, vocoder=vocoder)
 
     # kept for callers that think in one AR stage
     @property
@@ -365,12 +377,14 @@ class Pipeline:
 
     # -- requests ---------------------------------------------------------------
     def submit(self, spec: RequestSpec, sink: Sink) -> None:
-        if spec.voice not in VOICES:
-            raise InvalidArgumentError("voice", f"unknown voice {spec.voice!r}; voices: {', '.join(VOICES)}")
+        if spec.voice not in self.voices:
+            raise InvalidArgumentError("voice", f"unknown voice {spec.voice!r}; voices: {', '.join(self.voices)}")
+        if self._prepare is not None:
+            spec = self._prepare(spec)
         with self._lock:
             if spec.request_id in self._requests:
                 raise AlreadyExistsError(f"request_id: {spec.request_id!r} is already running")
-            self._requests[spec.request_id] = RequestContext(spec, sink)
+            self._requests[spec.request_id] = RequestContext(spec, sink, sample_rate=self.sample_rate)
             if not spec.modality.has_multimodal:
                 self._text_only = self._text_only | {spec.request_id}
         first = self.ar_configs[0]
@@ -498,7 +512,7 @@ class Pipeline:
         payload = payload_pb2.MultimodalPayload()
         if audio.size or last:
             payload.tensors.add(name="audio", tensor=encode_inline(torch.from_numpy(audio)))
-        payload.metadata["sample_rate"].int_value = SAMPLE_RATE_HZ
+        payload.metadata["sample_rate"].int_value = self.sample_rate
         payload.metadata["last_chunk"].bool_value = last
         resp = decoder_pb2.GenerateResponse(
             request_id=request_id, stage_id=self.gen_config.stage_id, multimodal_output=payload,

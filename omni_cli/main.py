@@ -38,12 +38,73 @@ def _cmd_speak(args: argparse.Namespace) -> int:
 
 
 def _cmd_models_create(args: argparse.Namespace) -> int:
-    from decoder_svc.vllm_engine.profiles import create_profile_models
+    from decoder_svc.qwen3_omni.cache import default_model_dir
+    from decoder_svc.qwen3_omni.tiny import create_tiny_checkpoint
 
-    dirs = create_profile_models(args.profile, Path(args.dir), seed=args.seed)
-    for stage, path in dirs.items():
-        print(f"{stage}: {path}")
+    if args.out is None:
+        if args.seed not in (None, 0):
+            print("omni-serving models create: --seed needs --out (the model cache's tiny "
+                  "checkpoint is written with seed 0)", file=sys.stderr)
+            return 2
+        path = default_model_dir()
+    else:
+        out = Path(args.out)
+        if out.exists() or out.is_symlink():
+            print(f"omni-serving models create: {out} exists; give a new directory "
+                  "(an existing one is left untouched)", file=sys.stderr)
+            return 2
+        try:
+            path = create_tiny_checkpoint(out, seed=args.seed or 0)
+        except FileExistsError as exc:  # created by someone else meanwhile
+            print(f"omni-serving models create: {exc}", file=sys.stderr)
+            return 2
+    print(path)
     return 0
+
+
+def _cmd_models_check(args: argparse.Namespace) -> int:
+    from decoder_svc.qwen3_omni.checkpoint import CheckpointError, OmniCheckpoint
+
+    try:
+        ckpt = OmniCheckpoint.open(args.dir)
+    except CheckpointError as exc:
+        print(f"omni-serving models check: {exc}", file=sys.stderr)
+        return 1
+    for label, value in _checkpoint_summary(ckpt):
+        print(f"{label + ':':<12} {value}")
+    return 0
+
+
+def _checkpoint_summary(ckpt) -> list[tuple[str, str]]:
+    th = ckpt.thinker_config["text_config"]
+    tk = ckpt.talker_config
+    tt, cp, c2w = tk["text_config"], tk["code_predictor_config"], ckpt.code2wav_config
+
+    def experts(text: dict) -> int:
+        return text.get("num_experts") or text.get("num_local_experts") or 0
+
+    def text_model(text: dict) -> str:
+        return (f"{text['num_hidden_layers']} layers, hidden {text['hidden_size']}, "
+                f"vocab {text['vocab_size']}, {experts(text)} experts "
+                f"({text['num_experts_per_tok']} per token)")
+
+    shards = ckpt.shard_files()
+    size = sum(p.stat().st_size for p in shards)
+    speakers = ", ".join(f"{name} ({sid})" for name, sid in sorted(ckpt.talker_config["speaker_id"].items()))
+    return [
+        ("checkpoint", str(ckpt.path)),
+        ("arch", ", ".join(ckpt.config.get("architectures", []))),
+        ("thinker", text_model(th)),
+        ("talker", text_model(tt)),
+        ("predictor", f"{cp['num_hidden_layers']} layers, hidden {cp['hidden_size']}, "
+                      f"{cp['num_code_groups']} code groups of {cp['vocab_size']} codes"),
+        ("code2wav", f"{c2w['num_hidden_layers']} layers, hidden {c2w['hidden_size']}, "
+                     f"{c2w['num_quantizers']} quantizers, codebook {c2w['codebook_size']}"),
+        ("speakers", speakers),
+        ("shards", f"{len(shards)} ({', '.join(p.name for p in shards)}), "
+                   f"{size / 2**20:.1f} MiB, {len(ckpt.weight_map)} tensors"),
+        ("fingerprint", ckpt.fingerprint()),
+    ]
 
 
 def _cmd_conformance(args: argparse.Namespace) -> int:
@@ -96,11 +157,26 @@ def build_parser() -> argparse.ArgumentParser:
 
     models = sub.add_parser("models", help="local model checkpoints")
     msub = models.add_subparsers(dest="models_command", required=True)
-    mc = msub.add_parser("create", help="write small random-weight checkpoints vLLM loads from a path")
-    mc.add_argument("--profile", default="tts", help="tts (talker) or omni (thinker + talker)")
-    mc.add_argument("--seed", type=int, default=0)
-    mc.add_argument("dir", help="output folder (one subfolder per AR stage)")
+    mc = msub.add_parser(
+        "create",
+        help="write the tiny random-weight Qwen3-Omni checkpoint (the layout of the released ones)",
+        description="Write the tiny random-weight Qwen3-Omni-MoE checkpoint to a new directory "
+        "(default: the model cache's, which the decoder serves when no --model is given) and "
+        "print its path.",
+    )
+    mc.add_argument("--out", metavar="DIR", default=None,
+                    help="new directory to write (must not exist; default: the model cache's tiny "
+                         "checkpoint, written once)")
+    mc.add_argument("--seed", type=int, default=None, help="weight seed, with --out (default: 0)")
     mc.set_defaults(func=_cmd_models_create)
+    mk = msub.add_parser(
+        "check",
+        help="validate a Qwen3-Omni checkpoint directory and print a summary",
+        description="Run the checks the decoder runs before serving a checkpoint (config, "
+        "weights, tokenizer, chat template); exit 1 with the file and key of the first problem.",
+    )
+    mk.add_argument("dir", help="checkpoint directory (only read)")
+    mk.set_defaults(func=_cmd_models_check)
 
     bench = sub.add_parser("bench", help="benchmarks: step-gap, handoff, e2e (see --help)", add_help=False)
     bench.add_argument("rest", nargs=argparse.REMAINDER)

@@ -19,9 +19,10 @@ if [[ ",${EXTRAS}," != *",cuda,"* ]]; then
 fi
 "${PIP[@]}" install -q -e ".[${EXTRAS}]"
 if [[ ",${EXTRAS}," == *",cpu,"* ]]; then
-  # PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break
+  # PyPI's torchaudio/torchcodec are CUDA builds that break (torchvision stays:
+  # see omni_common/torchvision_compat.py)
   # `import vllm` next to CPU torch; triton is useless on CPU.
-  "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec triton 2>/dev/null || true
+  "${PIP[@]}" uninstall -q -y torchaudio torchcodec triton 2>/dev/null || true
 fi
 # Compiled bytecode makes `import vllm` several times faster.
 env -u PYTHONDONTWRITEBYTECODE "$VENV/bin/python" -m compileall -q -j 2 "$VENV/lib" >/dev/null 2>&1 || true

@@ -280,7 +280,7 @@ def test_up_reports_a_service_that_fails_to_start(up_factory):
 @pytest.mark.timeout(900)
 @pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vLLM is not installed (the cpu or cuda extra)")
 def test_up_vllm_default_engine(up_factory, tmp_path):
-    # Default engine, no --model-dir: the decoder creates its tiny models on first run.
+    # Default engine, no --model: the decoder creates its tiny models on first run.
     models = tmp_path / "models"
     up = up_factory(env={"OMNI_SERVING_MODEL_DIR": str(models)})
     endpoints = up.wait_ready(600)
@@ -357,7 +357,7 @@ def test_cli_rejects_bad_values(capsys):
 
 def test_service_commands_pass_metrics_flags_and_sockets(tmp_path):
     cfg = StackConfig(deployment="d1", decoder_metrics_port=9201, materializer_metrics_port=9202,
-                      metrics_host="0.0.0.0", engine="reference", model_dir="/m")
+                      metrics_host="0.0.0.0", engine="reference", model="/m")
     svcs = {s.name: s for s in service_commands(cfg, tmp_path)}
     assert list(svcs) == ["materializer", "decoder", "gateway"]
 
@@ -370,7 +370,7 @@ def test_service_commands_pass_metrics_flags_and_sockets(tmp_path):
     assert (dec["--metrics-port"], dec["--metrics-host"]) == ("9201", "0.0.0.0")
     assert dec["--materializer"] == mat["--listen"] == f"unix://{tmp_path}/materializer.sock"
     assert gw["--decoder"] == dec["--listen"]
-    assert dec["--model-dir"] == "/m" and dec["--engine"] == "reference"
+    assert dec["--model"] == "/m" and dec["--engine"] == "reference"
     assert all(s.env["OMNI_DEPLOYMENT"] == "d1" for s in svcs.values())
     sync = service_commands(StackConfig(deployment="d1", sync=True), tmp_path)
     assert [s.name for s in sync] == ["decoder", "gateway"]

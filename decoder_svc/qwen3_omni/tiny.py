@@ -33,7 +33,7 @@ from typing import Any
 __all__ = ["create_tiny_checkpoint", "TINY_FORMAT", "SPECIAL_TOKENS", "SPEAKERS", "CHAT_TEMPLATE"]
 
 # Bumped whenever the tiny checkpoint's content changes (the model cache keys on it).
-TINY_FORMAT = 1
+TINY_FORMAT = 2
 
 # Token ids 0.. in this order (the BPE trainer assigns special tokens first).
 SPECIAL_TOKENS: tuple[str, ...] = (
@@ -300,6 +300,10 @@ def _randomize(model, seed: int) -> None:
                 continue
             elif p.dim() == 1:
                 p.zero_()
+            elif name.startswith("code2wav.decoder") or name.startswith("code2wav.upsample"):
+                # variance-preserving convolutions: the waveform comes out as
+                # audible noise instead of near-denormal values
+                p.copy_(torch.randn(p.shape, generator=gen) * (0.75 / float(p[0].numel()) ** 0.5))
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * 0.02)
         # code2wav's codebook embeddings: larger, so the decoder's output is

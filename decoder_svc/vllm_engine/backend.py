@@ -67,6 +67,7 @@ import torch
 from decoder_svc.backend import RequestSpec, StepOutput
 from omni_common.errors import FailedPreconditionError, InvalidArgumentError
 from omni_common.materialize import PER_REQUEST as TENSOR_LAYOUT_PER_REQUEST
+from omni_common.materialize import PER_TOKEN as TENSOR_LAYOUT_PER_TOKEN
 
 from . import runner_hook as rh
 from .models import load_code_predictor, read_stage_config
@@ -116,6 +117,7 @@ class _Captured:
     accepted: torch.Tensor | None  # [n, S] int64 (-1 = none), only when S > 1
     hidden: torch.Tensor | None  # [T, H] float32 copy (capture_hidden)
     codes: torch.Tensor | None  # [n, K] int64 (talker)
+    extra: dict[str, torch.Tensor]  # per-token tensors [T, ...] (model-specific)
 
 
 class VLLMBackend:
@@ -160,12 +162,11 @@ class VLLMBackend:
           ``embed``), "eager" (build it now) or "off" (``embed`` raises).
         """
         self.model_dir = Path(model_dir)
-        stage = read_stage_config(self.model_dir)
-        self.role = role or stage["kind"]
-        if self.role not in ROLES:
-            raise InvalidArgumentError("role", f"must be one of {ROLES}, got {self.role!r}")
         if pooling_engine not in ("lazy", "eager", "off"):
             raise InvalidArgumentError("pooling_engine", "must be 'lazy', 'eager' or 'off'")
+        self._configure(role)
+        if self.role not in ROLES:
+            raise InvalidArgumentError("role", f"must be one of {ROLES}, got {self.role!r}")
         self.name = name or self.role
         self.is_talker = self.role == "talker"
         if self.is_talker and speculative_config is not None:
@@ -173,11 +174,6 @@ class VLLMBackend:
                 "speculative_config", "the talker emits one codec frame per step; speculative decoding is not supported"
             )
         self.capture_hidden = (not self.is_talker) if capture_hidden is None else bool(capture_hidden)
-        self.hidden_size = int(stage["hidden_size"])
-        self.vocab_size = int(stage["vocab_size"])
-        self.eos_token_id = int(stage["eos_token_id"])
-        self.num_codebooks = int(stage.get("num_codebooks", 1))
-        self.codec_vocab = int(stage.get("codec_vocab_size", self.vocab_size))
         self.default_max_tokens = int(default_max_tokens or DEFAULT_MAX_TOKENS[self.role])
         self.stop_token_ids = [int(t) for t in stop_token_ids or ()]
         self.max_num_seqs = max_num_seqs
@@ -188,15 +184,6 @@ class VLLMBackend:
         if enable_prompt_embeds is None:
             enable_prompt_embeds = self.is_talker  # talker prompts can be thinker hidden rows
         self.enable_prompt_embeds = bool(enable_prompt_embeds)
-
-        # code predictor [K-1, V, H] -> [(K-1) * V, H] for one matmul per step
-        self._cp_weight: torch.Tensor | None = None
-        if self.is_talker and self.num_codebooks > 1:
-            cp = load_code_predictor(self.model_dir).to(torch.float32)
-            k1, v, h = cp.shape
-            if (k1, v, h) != (self.num_codebooks - 1, self.codec_vocab, self.hidden_size):
-                raise InvalidArgumentError("model_dir", f"code predictor shape {tuple(cp.shape)} does not match omni_stage.json")
-            self._cp_weight = cp.reshape(k1 * v, h).contiguous()
 
         self._lock = threading.Lock()  # engine calls + id maps
         self._tok_lock = threading.Lock()
@@ -214,7 +201,7 @@ class VLLMBackend:
 
         with FORWARD_LOCK:
             self.engine = rh.make_engine(
-                self.model_dir,
+                self.engine_dir,
                 async_scheduling=async_scheduling,
                 seed=seed,
                 max_num_seqs=max_num_seqs,
@@ -223,14 +210,64 @@ class VLLMBackend:
                 kv_cache_memory_bytes=kv_cache_memory_bytes,
                 enable_prompt_embeds=self.enable_prompt_embeds,
                 speculative_config=speculative_config,
-                **engine_kwargs,
+                **{**self._engine_kwargs(), **engine_kwargs},
             )
             self._hook = rh.install_step_callback(self._on_capture, self.engine)
             self._wrap_scheduler()
+            self._after_engine()
             if pooling_engine == "eager":
                 self._build_pool_engine()
         self.tokenizer = self._load_tokenizer()
         self._facts = self._compute_facts()
+
+    # -- model-specific parts (overridden for other model families) ----------------
+    def _configure(self, role: str | None) -> None:
+        """Model facts from the checkpoint: role, sizes, eos, codebooks.
+
+        This base reads the ``omni_stage.json`` of a stand-in checkpoint
+        written by ``models.create_model``.
+        """
+        stage = read_stage_config(self.model_dir)
+        self.engine_dir = self.model_dir
+        self.role = role or stage["kind"]
+        self.hidden_size = int(stage["hidden_size"])
+        self.vocab_size = int(stage["vocab_size"])
+        self.eos_token_id = int(stage["eos_token_id"])
+        self.num_codebooks = int(stage.get("num_codebooks", 1))
+        self.codec_vocab = int(stage.get("codec_vocab_size", self.vocab_size))
+        # code predictor [K-1, V, H] -> [(K-1) * V, H] for one matmul per step
+        self._cp_weight: torch.Tensor | None = None
+        if self.role == "talker" and self.num_codebooks > 1:
+            cp = load_code_predictor(self.model_dir).to(torch.float32)
+            k1, v, h = cp.shape
+            if (k1, v, h) != (self.num_codebooks - 1, self.codec_vocab, self.hidden_size):
+                raise InvalidArgumentError("model_dir", f"code predictor shape {tuple(cp.shape)} does not match omni_stage.json")
+            self._cp_weight = cp.reshape(k1 * v, h).contiguous()
+
+    def _engine_kwargs(self) -> dict[str, Any]:
+        """Extra make_engine arguments for this model."""
+        return {}
+
+    def _after_engine(self) -> None:
+        """Called once the engine is built (under the forward lock)."""
+
+    def _codes(self, cap: rh.StepCapture, tokens: torch.Tensor, row_ok: torch.Tensor) -> torch.Tensor:
+        """Talker: all codebooks of the frame each row sampled, [n, K] int64."""
+        n = tokens.shape[0]
+        last = cap.hidden_states[cap.query_start_loc[1:].long() - 1].to(torch.float32)  # [n, H]
+        codes = torch.empty((n, self.num_codebooks), dtype=torch.int64)
+        codes[:, 0] = tokens[:, 0]
+        if self._cp_weight is not None:
+            logits = (last @ self._cp_weight.T).view(n, self.num_codebooks - 1, self.codec_vocab)
+            codes[:, 1:] = logits.argmax(-1)
+        return codes
+
+    def _extra_outputs(self, cap: rh.StepCapture) -> dict[str, torch.Tensor]:
+        """Per-token tensors besides ``hidden_states`` (name -> [T, ...])."""
+        return {}
+
+    def _forget(self, request_id: str) -> None:
+        """A request left the engine (finished or aborted)."""
 
     # -- construction helpers -----------------------------------------------------
     def _wrap_scheduler(self) -> None:
@@ -271,12 +308,17 @@ class VLLMBackend:
 
         vc = self.engine.vllm_config
         hf = vc.model_config.hf_config
-        routed = bool(getattr(hf, "num_experts", 0) or getattr(hf, "n_routed_experts", 0))
+        text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
+        moe = bool(getattr(text, "num_experts", 0) or getattr(text, "n_routed_experts", 0))
+        # The seed's guard: the engine RETURNS routed-expert output (which the
+        # step would have to copy out). A MoE model alone does not.
+        routed = bool(getattr(vc.model_config, "enable_return_routed_experts", False))
         facts = {
             "async_scheduling": bool(vc.scheduler_config.async_scheduling),
             "speculative_decoding": vc.speculative_config is not None,
             "enable_prefix_caching": bool(vc.cache_config.enable_prefix_caching),
-            "routed_experts": routed,  # MoE routing exists (no routed-expert output is produced)
+            "routed_experts": routed,
+            "moe": moe,
             "postprocess": "eager" if self.is_talker else "none",
             "enable_prompt_embeds": bool(vc.model_config.enable_prompt_embeds),
             "capture_hidden": self.capture_hidden,
@@ -369,6 +411,7 @@ class VLLMBackend:
             self._ext_of.pop(internal, None)
             if not self._closed:
                 self.engine.abort_request([internal], internal=True)
+            self._forget(request_id)
         return True
 
     def has_unfinished(self) -> bool:
@@ -389,15 +432,9 @@ class VLLMBackend:
         else:  # speculative decoding: accepted tokens are a prefix, -1 after
             tokens = sampled.gather(1, (nvalid - 1).clamp(min=0)[:, None])
             accepted = sampled
-        codes = None
-        if self.is_talker:
-            last = cap.hidden_states[cap.query_start_loc[1:].long() - 1].to(torch.float32)  # [n, H]
-            codes = torch.empty((n, self.num_codebooks), dtype=torch.int64)
-            codes[:, 0] = tokens[:, 0]
-            if self._cp_weight is not None:
-                logits = (last @ self._cp_weight.T).view(n, self.num_codebooks - 1, self.codec_vocab)
-                codes[:, 1:] = logits.argmax(-1)
+        codes = self._codes(cap, tokens, row_ok) if self.is_talker else None
         hidden = cap.hidden_states.to(torch.float32, copy=True) if self.capture_hidden else None
+        extra = self._extra_outputs(cap)
         self._captured.append(
             _Captured(
                 key=cap.scheduler_output,
@@ -409,6 +446,7 @@ class VLLMBackend:
                 accepted=accepted,
                 hidden=hidden,
                 codes=codes,
+                extra=extra,
             )
         )
 
@@ -454,6 +492,7 @@ class VLLMBackend:
                 internal = self._int_of.pop(ext, None)
                 if internal is not None:
                     self._ext_of.pop(internal, None)
+                    self._forget(ext)
         self.steps += 1
         outs = [self._build(cap, live, ext_ids, finished, text, engine_ids) for cap, live, ext_ids in batches]
         if not outs:
@@ -501,13 +540,10 @@ class VLLMBackend:
         nst = cap.num_scheduled[idx]
         qsl = torch.zeros(len(rows) + 1, dtype=torch.int32)
         qsl[1:] = torch.cumsum(nst, 0)
+        token_keep = None if len(rows) == n_all else keep[torch.repeat_interleave(torch.arange(n_all), cap.num_scheduled)]
         hidden = None
         if cap.hidden is not None:
-            if len(rows) == n_all:
-                hidden = cap.hidden
-            else:
-                token_row = torch.repeat_interleave(torch.arange(n_all), cap.num_scheduled)
-                hidden = cap.hidden[keep[token_row]]
+            hidden = cap.hidden if token_keep is None else cap.hidden[token_keep]
         request_ids = [ext_ids[i] for i in rows]
         tokens = cap.tokens[idx]
         new_ids: dict[str, list[int]] = {}
@@ -521,7 +557,9 @@ class VLLMBackend:
                 # end (the scheduler cuts at max_tokens / stop); its last token
                 # is the last one the engine kept.
                 tokens = torch.tensor([[new_ids[rid][-1]] for rid in request_ids], dtype=torch.int64).reshape(-1, 1)
-        mm: dict[str, tuple[torch.Tensor, int]] = {}
+        mm: dict[str, tuple[torch.Tensor, int]] = {
+            name: (t if token_keep is None else t[token_keep], TENSOR_LAYOUT_PER_TOKEN) for name, t in cap.extra.items()
+        }
         if cap.codes is not None:
             mm["codec_codes"] = (cap.codes[idx], TENSOR_LAYOUT_PER_REQUEST)
         present = set(request_ids)

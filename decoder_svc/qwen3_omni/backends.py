@@ -1,0 +1,318 @@
+"""Qwen3-Omni's AR stages on vLLM: the thinker and the talker.
+
+Both are :class:`decoder_svc.vllm_engine.backend.VLLMBackend` s (step
+alignment, row selection, snapshots) with the model-specific parts:
+
+- :class:`ThinkerBackend`: vLLM's own Qwen3-Omni thinker on the checkpoint
+  directory as given. Prompts arrive tokenized (the chat template is applied
+  by :class:`.chat.ChatPrompts`). Each step also captures, per scheduled
+  token, the thinker's input embedding (``thinker_embed``) and the hidden
+  state after ``accept_hidden_layer`` layers (``thinker_hidden``): what the
+  talker needs, routed by the profile.
+- :class:`TalkerBackend`: the talker (:mod:`.talker`) on a config view in the
+  model cache. A request's prompt embeddings are built from the thinker's
+  side of the conversation (:mod:`.prompt`): from the captured thinker rows
+  (``Generate`` on the omni profile) or, for text given to be spoken as is
+  (``Speak``, the tts profile), from the thinker's embedding table.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from decoder_svc.backend import RequestSpec
+from decoder_svc.vllm_engine import runner_hook as rh
+from decoder_svc.vllm_engine.backend import VLLMBackend
+from omni_common.errors import InvalidArgumentError
+
+from .cache import derived_dir
+from .checkpoint import OmniCheckpoint
+from .prompt import TalkerIds, build_talker_prompt
+from .talker import TalkerRequestState, register, talker_config_view
+
+log = logging.getLogger(__name__)
+
+__all__ = ["ThinkerBackend", "TalkerBackend", "THINKER_EMBED", "THINKER_HIDDEN", "prepare_vllm"]
+
+THINKER_EMBED = "thinker_embed"
+THINKER_HIDDEN = "thinker_hidden"
+THINKER_ARCH = "Qwen3OmniMoeForConditionalGeneration"
+
+
+def prepare_vllm() -> None:
+    """Register the architectures in this process (no inspection subprocess)."""
+    from vllm import ModelRegistry
+    from vllm.model_executor.models.qwen3_omni_moe_thinker import (
+        Qwen3OmniMoeThinkerForConditionalGeneration,
+    )
+
+    import omni_common  # noqa: F401 -- torchvision import shim, before vLLM imports transformers' image code
+
+    ModelRegistry.register_model(THINKER_ARCH, Qwen3OmniMoeThinkerForConditionalGeneration)
+    register()
+
+
+class _ThinkerRows:
+    """Forward hooks on the thinker's language model: the step's input
+    embeddings and the hidden state after ``layer`` decoder layers."""
+
+    def __init__(self, model: Any, layer: int) -> None:
+        lm = model.language_model.model
+        self.embeds: torch.Tensor | None = None
+        self.hidden: torch.Tensor | None = None
+        # The language model's own forward runs without module hooks (vLLM's
+        # compile wrapper calls it directly); its first decoder layer's input
+        # is the step's input embeddings.
+        self._handles = [
+            lm.layers[0].register_forward_pre_hook(self._pre, with_kwargs=True),
+            lm.layers[layer - 1].register_forward_hook(self._post),
+        ]
+
+    def _pre(self, module, args, kwargs):  # noqa: ANN001
+        emb = kwargs["hidden_states"] if "hidden_states" in kwargs else args[1]
+        self.embeds = emb.detach().to(torch.float32, copy=True)
+
+    def _post(self, module, args, output):  # noqa: ANN001
+        hidden, residual = output
+        self.hidden = (hidden + residual).detach().to(torch.float32) if residual is not None else hidden.detach().float()
+
+    def take(self, num_tokens: int) -> dict[str, torch.Tensor]:
+        out = {}
+        if self.embeds is not None:
+            out[THINKER_EMBED] = self.embeds[:num_tokens]
+        if self.hidden is not None:
+            out[THINKER_HIDDEN] = self.hidden[:num_tokens]
+        self.embeds = self.hidden = None
+        return out
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+
+
+class ThinkerBackend(VLLMBackend):
+    """vLLM's Qwen3-Omni thinker (see the module docstring)."""
+
+    def __init__(self, checkpoint: OmniCheckpoint, *, capture_talker_inputs: bool = False, **kwargs: Any) -> None:
+        self.checkpoint = checkpoint
+        self.capture_talker_inputs = capture_talker_inputs
+        self._rows: _ThinkerRows | None = None
+        kwargs.setdefault("capture_hidden", False)
+        kwargs.setdefault("pooling_engine", "off")
+        super().__init__(checkpoint.path, role="thinker", **kwargs)
+
+    def _configure(self, role: str | None) -> None:
+        cfg = self.checkpoint.config
+        text = self.checkpoint.thinker_config["text_config"]
+        self.engine_dir = self.checkpoint.path
+        self.role = "thinker"
+        self.hidden_size = int(text["hidden_size"])
+        self.vocab_size = int(text["vocab_size"])
+        self.eos_token_id = int(cfg["im_end_token_id"])
+        self.num_codebooks = 1
+        self.codec_vocab = self.vocab_size
+        self._cp_weight = None
+
+    def _engine_kwargs(self) -> dict[str, Any]:
+        prepare_vllm()
+        return {"limit_mm_per_prompt": {"audio": 0, "image": 0, "video": 0}}
+
+    def _after_engine(self) -> None:
+        if self.capture_talker_inputs:
+            layer = int(self.checkpoint.talker_config["accept_hidden_layer"])
+            self._rows = _ThinkerRows(rh.get_model_runner(self.engine).model, layer)
+
+    def _load_tokenizer(self):
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(str(self.checkpoint.path))
+
+    def _extra_outputs(self, cap: rh.StepCapture) -> dict[str, torch.Tensor]:
+        return self._rows.take(cap.num_tokens) if self._rows is not None else {}
+
+    def _prompt(self, spec: RequestSpec) -> dict[str, Any]:
+        if not spec.prompt_token_ids:
+            raise InvalidArgumentError("prompt", "the thinker takes a tokenized chat prompt")
+        return {"prompt_token_ids": list(spec.prompt_token_ids)}
+
+    def close(self) -> None:
+        if self._rows is not None:
+            self._rows.remove()
+        super().close()
+
+
+def _talker_view(checkpoint: OmniCheckpoint) -> Path:
+    """A directory vLLM can load the talker from: config view + links to the
+    checkpoint's weight files (the checkpoint itself is never written)."""
+    view = derived_dir(checkpoint, "talker-vllm")
+    want = json.dumps(talker_config_view(checkpoint.config), indent=2, sort_keys=True) + "\n"
+    cfg_path = view / "config.json"
+    if not cfg_path.is_file() or cfg_path.read_text() != want:
+        tmp = view / f".config.json.{os.getpid()}"
+        tmp.write_text(want)
+        os.replace(tmp, cfg_path)
+    files = [p.name for p in checkpoint.shard_files("talker.")]
+    index = checkpoint.path / "model.safetensors.index.json"
+    if index.is_file():
+        files.append(index.name)
+    for name in files:
+        link = view / name
+        target = checkpoint.path / name
+        if link.is_symlink() and os.readlink(link) == str(target):
+            continue
+        if link.exists() or link.is_symlink():
+            link.unlink()
+        link.symlink_to(target)
+    return view
+
+
+class TalkerBackend(VLLMBackend):
+    """The Qwen3-Omni talker on vLLM (see the module docstring)."""
+
+    def __init__(
+        self,
+        checkpoint: OmniCheckpoint,
+        *,
+        sampling: dict[str, Any] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        self.checkpoint = checkpoint
+        self.ids = TalkerIds.from_config(checkpoint.config)
+        self.speakers = {str(k).lower(): int(v) for k, v in checkpoint.talker_config["speaker_id"].items()}
+        self.end_ids = frozenset({int(checkpoint.config["im_end_token_id"])})
+        gen = checkpoint.generation_config
+        self.sampling = {
+            "repetition_penalty": float(gen.get("talker_repetition_penalty", 1.05)),
+            "top_k": int(gen.get("talker_top_k", 50)),
+            "top_p": float(gen.get("talker_top_p", 1.0)),
+            "code_predictor_top_k": int(gen.get("code_predictor_top_k", 50)),
+            "code_predictor_top_p": float(gen.get("code_predictor_top_p", 0.8)),
+            "code_predictor_temperature": float(gen.get("code_predictor_temperature", 1.0)),
+        }
+        self.sampling.update(sampling or {})
+        self._embed_table: torch.Tensor | None = None
+        self._model: Any = None
+        kwargs.setdefault("pooling_engine", "off")
+        kwargs.setdefault("capture_hidden", False)
+        kwargs["enable_prompt_embeds"] = True
+        super().__init__(checkpoint.path, role="talker", **kwargs)
+        self.stop_token_ids = [self.ids_codec_eos]
+
+    def _configure(self, role: str | None) -> None:
+        talker = self.checkpoint.talker_config
+        text = talker["text_config"]
+        self.engine_dir = _talker_view(self.checkpoint)
+        self.role = "talker"
+        self.hidden_size = int(text["hidden_size"])
+        self.vocab_size = int(text["vocab_size"])
+        self.ids_codec_eos = int(talker["codec_eos_token_id"])
+        self.eos_token_id = self.ids_codec_eos
+        self.num_codebooks = int(talker["num_code_groups"])
+        self.codec_vocab = int(talker["code_predictor_config"]["vocab_size"])
+        self._cp_weight = None
+
+    def _engine_kwargs(self) -> dict[str, Any]:
+        prepare_vllm()
+        return {"skip_tokenizer_init": True, "tokenizer": None}
+
+    def _after_engine(self) -> None:
+        runner = rh.get_model_runner(self.engine)
+        self._model = runner.model
+        self._model.bind_runner(runner)
+
+    def _load_tokenizer(self):
+        return None
+
+    # -- prompts ---------------------------------------------------------------------
+    def speaker_id(self, voice: str) -> int:
+        sid = self.speakers.get(voice.lower())
+        if sid is None:
+            raise InvalidArgumentError("voice", f"unknown voice {voice!r}; this model has: {', '.join(sorted(self.speakers))}")
+        return sid
+
+    def _thinker_embed_table(self) -> torch.Tensor:
+        if self._embed_table is None:
+            self._embed_table = self.checkpoint.tensors("thinker.model.embed_tokens.weight")[
+                "thinker.model.embed_tokens.weight"
+            ].to(torch.float32)
+        return self._embed_table
+
+    def _prompt(self, spec: RequestSpec) -> dict[str, Any]:
+        model = self._model
+        cond = spec.conditioning or {}
+        prompt_ids = list(spec.prompt_token_ids)
+        table = self._thinker_embed_table() if "thinker_embed" not in cond else None
+        if "thinker_embed" in cond:  # Generate: the thinker's reply and its rows
+            reply = [int(t) for t in cond["thinker_token_ids"].reshape(-1).tolist()]
+            embed = cond["thinker_embed"]
+            hidden = cond.get("thinker_hidden")
+        else:  # Speak: the text as the assistant's reply
+            reply = list(spec.reply_token_ids)
+            seq = torch.tensor(prompt_ids + reply[:-1], dtype=torch.long)
+            embed = torch.nn.functional.embedding(seq, table)
+            hidden = None
+        emb_fn = (lambda ids: torch.nn.functional.embedding(ids, table)) if table is not None else None
+        if emb_fn is None:
+            full = self._thinker_embed_table()
+            emb_fn = lambda ids: torch.nn.functional.embedding(ids, full)  # noqa: E731
+        with torch.inference_mode():
+            tp = build_talker_prompt(
+                self.ids,
+                prompt_ids,
+                reply,
+                embed,
+                hidden,
+                speaker_id=self.speaker_id(spec.voice),
+                text_projection=model.text_projection,
+                hidden_projection=model.hidden_projection,
+                codec_embedding=model.embed_input_ids,
+                thinker_token_embed=emb_fn,
+                end_ids=self.end_ids,
+            )
+        greedy = spec.temperature <= 0
+        gen = None
+        if not greedy:
+            gen = torch.Generator().manual_seed(int(spec.seed) * 1_000_003 + 17)
+        state = TalkerRequestState(
+            prompt_len=int(tp.prompt_embeds.shape[0]),
+            trailing=tp.trailing,
+            pad=tp.pad,
+            repetition_penalty=self.sampling["repetition_penalty"],
+            temperature=0.0 if greedy else self.sampling["code_predictor_temperature"],
+            top_k=self.sampling["code_predictor_top_k"],
+            top_p=self.sampling["code_predictor_top_p"],
+            generator=gen,
+        )
+        with model.states_lock:
+            model.states[spec.request_id] = state
+        return {"prompt_embeds": tp.prompt_embeds}
+
+    def _sampling_params(self, spec: RequestSpec):
+        params = super()._sampling_params(spec)
+        if spec.temperature > 0:
+            params.top_k = spec.top_k or self.sampling["top_k"]
+            params.top_p = spec.top_p if spec.top_p < 1.0 else self.sampling["top_p"]
+        return params
+
+    def add_request(self, spec: RequestSpec) -> None:
+        try:
+            super().add_request(spec)
+        except BaseException:
+            self._forget(spec.request_id)
+            raise
+
+    # -- the step --------------------------------------------------------------------
+    def _codes(self, cap: rh.StepCapture, tokens: torch.Tensor, row_ok: torch.Tensor) -> torch.Tensor:
+        last = cap.hidden_states[cap.query_start_loc[1:].long() - 1]
+        return self._model.on_sampled(cap.external_req_ids, last, tokens[:, 0], row_ok)
+
+    def _forget(self, request_id: str) -> None:
+        if self._model is not None:
+            with self._model.states_lock:
+                self._model.states.pop(request_id, None)

@@ -1,0 +1,78 @@
+"""The model cache: the default tiny checkpoint and files derived from checkpoints.
+
+Layout under ``model_cache_root()``::
+
+    qwen3-omni-tiny-v<TINY_FORMAT>/    the tiny checkpoint served when no model is given
+    derived/<fingerprint>/<name>/      files derived from a checkpoint (e.g. config views)
+    .qwen3-omni-tiny.lock              serializes creating the tiny checkpoint
+
+A checkpoint directory a user gives is only ever read; whatever serving
+derives from it goes under ``derived/``, keyed by the checkpoint's fingerprint
+(path, config, index, shard sizes and times), so a changed checkpoint gets
+fresh derived files.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from decoder_svc.qwen3_omni.tiny import TINY_FORMAT, create_tiny_checkpoint
+
+if TYPE_CHECKING:
+    from decoder_svc.qwen3_omni.checkpoint import OmniCheckpoint
+
+__all__ = ["model_cache_root", "default_model_dir", "derived_dir", "TINY_DIR_NAME"]
+
+TINY_DIR_NAME = f"qwen3-omni-tiny-v{TINY_FORMAT}"
+_LOCK_NAME = ".qwen3-omni-tiny.lock"
+
+
+def model_cache_root() -> Path:
+    """``$OMNI_SERVING_MODEL_DIR`` when set, else ``${XDG_CACHE_HOME:-~/.cache}/omni-serving/models``."""
+    base = os.environ.get("OMNI_SERVING_MODEL_DIR")
+    if base:
+        return Path(base).expanduser()
+    cache = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(cache).expanduser() / "omni-serving" / "models"
+
+
+def default_model_dir(*, create: bool = True) -> Path:
+    """The tiny checkpoint's directory in the cache; written on first use when ``create``.
+
+    Two processes starting at once write it once: creation runs under an
+    exclusive lock on a file in the cache root, and the checkpoint is written
+    to a temporary sibling that is renamed into place, so the directory either
+    does not exist or is complete. Temporary siblings left by a killed writer
+    are removed under the same lock.
+    """
+    root = model_cache_root()
+    target = root / TINY_DIR_NAME
+    if target.is_dir() or not create:
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / _LOCK_NAME, "a+b") as lock:
+        fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+        try:
+            if target.is_dir():  # another process wrote it while we waited
+                return target
+            for stale in root.glob(f".{TINY_DIR_NAME}-*"):
+                if stale.is_dir():
+                    shutil.rmtree(stale, ignore_errors=True)
+            create_tiny_checkpoint(target)
+        finally:
+            fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+    return target
+
+
+def derived_dir(checkpoint: OmniCheckpoint, name: str) -> Path:
+    """``<root>/derived/<fingerprint>/<name>``, created: where files derived from
+    ``checkpoint`` go (never into the checkpoint's own directory)."""
+    if not name or name in (".", "..") or "/" in name or os.sep in name or "\0" in name:
+        raise ValueError(f"derived_dir: name must be a single path component, got {name!r}")
+    out = model_cache_root() / "derived" / checkpoint.fingerprint() / name
+    out.mkdir(parents=True, exist_ok=True)
+    return out

@@ -1,0 +1,645 @@
+"""Open and validate a Hugging Face Qwen3-Omni-MoE checkpoint directory.
+
+``OmniCheckpoint.open(path)`` checks, before anything is served, that the
+directory holds what serving reads:
+
+- ``config.json``: architecture ``Qwen3OmniMoeForConditionalGeneration``,
+  audio output enabled, the thinker / talker (+ code predictor) / code2wav
+  sub-configs with the keys serving needs, consistent with each other
+  (hidden sizes, code groups, codebook size, special ids inside the vocabularies);
+- the weights: ``model.safetensors.index.json`` and every shard it names, or a
+  single ``model.safetensors``; every tensor serving loads (thinker text
+  model, talker, code predictor, code2wav) present, embedding tables and heads
+  with the shapes the config implies;
+- a tokenizer (``tokenizer.json``, or ``vocab.json`` + ``merges.txt``) and a
+  chat template (``tokenizer_config.json``'s ``chat_template``,
+  ``chat_template.json`` or ``chat_template.jinja``);
+- ``generation_config.json``, when present, parses.
+
+Every failure is a ``CheckpointError`` naming the file and the key. Nothing
+is ever written into (or changed in) the directory: files are only opened for
+reading, and tensors are read with safetensors' ``safe_open``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "ARCHITECTURE",
+    "CheckpointError",
+    "OmniCheckpoint",
+    "required_tensors",
+    "required_prefixes",
+]
+
+ARCHITECTURE = "Qwen3OmniMoeForConditionalGeneration"
+
+CONFIG = "config.json"
+GENERATION_CONFIG = "generation_config.json"
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+CHAT_TEMPLATE_JSON = "chat_template.json"
+CHAT_TEMPLATE_JINJA = "chat_template.jinja"
+
+
+class CheckpointError(Exception):
+    """A checkpoint directory that cannot be served: ``file: key: message``."""
+
+    def __init__(self, file: str | Path, key: str, message: str) -> None:
+        self.file = file
+        self.key = key
+        self.message = message
+        super().__init__(f"{file}: {key}: {message}")
+
+    def __reduce__(self):  # picklable across processes
+        return (type(self), (self.file, self.key, self.message))
+
+
+# -- config.json --------------------------------------------------------------------------
+
+_INT = "int"
+_INT_LIST = "list of int"
+
+_TEXT_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "moe_intermediate_size",
+    "num_experts_per_tok",
+)
+_CODE_PREDICTOR_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "num_code_groups",
+)
+_CODEC_IDS = (
+    "codec_pad_id",
+    "codec_bos_id",
+    "codec_eos_token_id",
+    "codec_nothink_id",
+    "codec_think_bos_id",
+    "codec_think_eos_id",
+)
+_TALKER_KEYS = ("num_code_groups", "thinker_hidden_size", "accept_hidden_layer", *_CODEC_IDS)
+_CODE2WAV_KEYS: tuple[tuple[str, str], ...] = (
+    ("codebook_size", _INT),
+    ("num_quantizers", _INT),
+    ("hidden_size", _INT),
+    ("upsample_rates", _INT_LIST),
+    ("upsampling_ratios", _INT_LIST),
+    ("decoder_dim", _INT),
+    ("sliding_window", _INT),
+    ("num_hidden_layers", _INT),
+)
+TOP_LEVEL_TOKEN_IDS = (
+    "im_start_token_id",
+    "im_end_token_id",
+    "tts_pad_token_id",
+    "tts_bos_token_id",
+    "tts_eos_token_id",
+    "system_token_id",
+    "user_token_id",
+    "assistant_token_id",
+)
+# Keys that must be >= 1 (sizes and counts); ids and layer indexes may be 0.
+_POSITIVE = frozenset(
+    {
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "moe_intermediate_size",
+        "num_experts",
+        "num_experts_per_tok",
+        "shared_expert_intermediate_size",
+        "num_code_groups",
+        "thinker_hidden_size",
+        "codebook_size",
+        "num_quantizers",
+        "decoder_dim",
+        "sliding_window",
+    }
+)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+class _ConfigReader:
+    """Typed access to config.json's nested dicts; errors name the dotted key."""
+
+    def __init__(self, file: Path) -> None:
+        self.file = file
+
+    def error(self, key: str, message: str) -> CheckpointError:
+        return CheckpointError(self.file, key, message)
+
+    def section(self, parent: dict, name: str, where: str = "") -> dict:
+        key = f"{where}{name}"
+        value = parent.get(name)
+        if value is None:
+            raise self.error(key, "missing (required for serving)")
+        if not isinstance(value, dict):
+            raise self.error(key, f"must be a mapping, got {type(value).__name__}")
+        return value
+
+    def integer(self, section: dict, name: str, where: str) -> int:
+        key = f"{where}{name}"
+        if name not in section or section[name] is None:
+            raise self.error(key, "missing (required for serving)")
+        value = section[name]
+        if not _is_int(value):
+            raise self.error(key, f"must be an integer, got {value!r}")
+        if name in _POSITIVE and value < 1:
+            raise self.error(key, f"must be >= 1, got {value}")
+        if value < 0:
+            raise self.error(key, f"must be >= 0, got {value}")
+        return value
+
+    def int_list(self, section: dict, name: str, where: str) -> list[int]:
+        key = f"{where}{name}"
+        value = section.get(name)
+        if value is None:
+            raise self.error(key, "missing (required for serving)")
+        if not isinstance(value, list) or not value or not all(_is_int(v) and v >= 1 for v in value):
+            raise self.error(key, f"must be a non-empty list of positive integers, got {value!r}")
+        return value
+
+    def num_experts(self, section: dict, where: str) -> int:
+        # transformers >= 5 writes the talker's count as num_local_experts
+        # (num_experts is an alias there); released configs say num_experts.
+        for name in ("num_experts", "num_local_experts"):
+            if section.get(name) is not None:
+                return self.integer(section, name, where)
+        raise self.error(f"{where}num_experts", "missing (required for serving)")
+
+    def head_dim(self, section: dict, where: str) -> int:
+        if section.get("head_dim") is not None:
+            return self.integer(section, "head_dim", where)
+        hidden, heads = section["hidden_size"], section["num_attention_heads"]
+        if hidden % heads:
+            raise self.error(
+                f"{where}head_dim",
+                f"missing, and not derivable: hidden_size {hidden} is not a multiple of "
+                f"num_attention_heads {heads}",
+            )
+        return hidden // heads
+
+    def text_model(self, section: dict, where: str, extra: Iterable[str] = ()) -> dict[str, Any]:
+        out: dict[str, Any] = {name: self.integer(section, name, where) for name in (*_TEXT_KEYS, *extra)}
+        out["num_experts"] = self.num_experts(section, where)
+        out["head_dim"] = self.head_dim(section, where)
+        return out
+
+
+def _validate_config(file: Path, config: Any) -> None:
+    r = _ConfigReader(file)
+    if not isinstance(config, dict):
+        raise r.error("(top level)", f"must be a JSON object, got {type(config).__name__}")
+    archs = config.get("architectures")
+    if not isinstance(archs, list) or ARCHITECTURE not in archs:
+        raise r.error(
+            "architectures",
+            f"found {archs!r}; supported: [{ARCHITECTURE!r}] (a Qwen3-Omni-MoE checkpoint "
+            "with thinker, talker and code2wav)",
+        )
+    if config.get("enable_audio_output") is False:
+        raise r.error(
+            "enable_audio_output",
+            "false: this checkpoint has no speech output (talker and code2wav); serving needs it",
+        )
+    thinker = r.section(config, "thinker_config")
+    talker = r.section(config, "talker_config")
+    code2wav = r.section(config, "code2wav_config")
+
+    w_thinker = "thinker_config.text_config."
+    th = r.text_model(r.section(thinker, "text_config", "thinker_config."), w_thinker)
+
+    w_talker_text = "talker_config.text_config."
+    tt = r.text_model(
+        r.section(talker, "text_config", "talker_config."),
+        w_talker_text,
+        extra=("shared_expert_intermediate_size",),
+    )
+    w_cp = "talker_config.code_predictor_config."
+    cp_section = r.section(talker, "code_predictor_config", "talker_config.")
+    cp = {name: r.integer(cp_section, name, w_cp) for name in _CODE_PREDICTOR_KEYS}
+    cp["head_dim"] = r.head_dim(cp_section, w_cp)
+    tk = {name: r.integer(talker, name, "talker_config.") for name in _TALKER_KEYS}
+    speakers = talker.get("speaker_id")
+    if speakers is None:
+        raise r.error("talker_config.speaker_id", "missing (required for serving: the voices)")
+    if not isinstance(speakers, dict) or not speakers:
+        raise r.error(
+            "talker_config.speaker_id",
+            f"must be a non-empty mapping of speaker name to codec id, got {speakers!r}",
+        )
+    for name, value in speakers.items():
+        if not _is_int(value) or value < 0:
+            raise r.error(f"talker_config.speaker_id.{name}", f"must be an integer id >= 0, got {value!r}")
+
+    w_c2w = "code2wav_config."
+    c2w: dict[str, Any] = {}
+    for name, kind in _CODE2WAV_KEYS:
+        c2w[name] = r.integer(code2wav, name, w_c2w) if kind == _INT else r.int_list(code2wav, name, w_c2w)
+    top = {name: r.integer(config, name, "") for name in TOP_LEVEL_TOKEN_IDS}
+
+    def same(key_a: str, a: int, key_b: str, b: int) -> None:
+        if a != b:
+            raise r.error(key_a, f"{key_a} = {a} but {key_b} = {b}; they must be equal")
+
+    same("talker_config.thinker_hidden_size", tk["thinker_hidden_size"],
+         f"{w_thinker}hidden_size", th["hidden_size"])
+    same(f"{w_c2w}num_quantizers", c2w["num_quantizers"],
+         "talker_config.num_code_groups", tk["num_code_groups"])
+    same(f"{w_cp}num_code_groups", cp["num_code_groups"],
+         "talker_config.num_code_groups", tk["num_code_groups"])
+    same(f"{w_cp}vocab_size", cp["vocab_size"], f"{w_c2w}codebook_size", c2w["codebook_size"])
+    if tk["num_code_groups"] < 2:
+        raise r.error("talker_config.num_code_groups",
+                      f"must be >= 2 (one talker code plus predicted ones), got {tk['num_code_groups']}")
+
+    talker_vocab = tt["vocab_size"]
+    ids = {f"talker_config.{name}": tk[name] for name in _CODEC_IDS}
+    ids.update({f"talker_config.speaker_id.{name}": v for name, v in speakers.items()})
+    for key, value in ids.items():
+        if value >= talker_vocab:
+            raise r.error(key, f"{key} = {value} but {w_talker_text}vocab_size = {talker_vocab}; "
+                               "the id must be < vocab_size")
+    eos = tk["codec_eos_token_id"]
+    if eos < cp["vocab_size"]:
+        raise r.error(
+            "talker_config.codec_eos_token_id",
+            f"talker_config.codec_eos_token_id = {eos} but {w_cp}vocab_size = {cp['vocab_size']}; "
+            "the end-of-speech id must not be a codec code (codes are 0..vocab_size-1)",
+        )
+    accept = tk["accept_hidden_layer"]
+    if not 0 < accept <= th["num_hidden_layers"]:
+        raise r.error(
+            "talker_config.accept_hidden_layer",
+            f"talker_config.accept_hidden_layer = {accept} but {w_thinker}num_hidden_layers = "
+            f"{th['num_hidden_layers']}; it must be in 1..num_hidden_layers",
+        )
+    for key, value in top.items():
+        if value >= th["vocab_size"]:
+            raise r.error(key, f"{key} = {value} but {w_thinker}vocab_size = {th['vocab_size']}; "
+                               "the id must be < vocab_size")
+
+
+# -- tensors the config implies ----------------------------------------------------------
+
+
+def _attention(prefix: str, text: dict, qk_norm: bool = True) -> list[str]:
+    names = [f"{prefix}self_attn.{p}_proj.weight" for p in ("q", "k", "v", "o")]
+    if text.get("attention_bias"):
+        names += [f"{prefix}self_attn.{p}_proj.bias" for p in ("q", "k", "v")]
+    if qk_norm:
+        names += [f"{prefix}self_attn.q_norm.weight", f"{prefix}self_attn.k_norm.weight"]
+    names += [f"{prefix}input_layernorm.weight", f"{prefix}post_attention_layernorm.weight"]
+    return names
+
+
+def _dense_mlp(prefix: str) -> list[str]:
+    return [f"{prefix}{p}_proj.weight" for p in ("gate", "up", "down")]
+
+
+def _experts(prefix: str, n: int) -> list[str]:
+    names = [f"{prefix}gate.weight"]
+    for e in range(n):
+        names += _dense_mlp(f"{prefix}experts.{e}.")
+    return names
+
+
+def _num_experts(text: dict) -> int:
+    value = text.get("num_experts")
+    return int(value if value is not None else text.get("num_local_experts") or 0)
+
+
+def _tied(*sections: dict) -> bool:
+    return any(s.get("tie_word_embeddings") is True for s in sections)
+
+
+def required_tensors(config: dict) -> list[str]:
+    """Names of the tensors serving loads, computed from a validated config.json."""
+    thinker, talker, c2w = config["thinker_config"], config["talker_config"], config["code2wav_config"]
+    th = thinker["text_config"]
+    names = ["thinker.model.embed_tokens.weight", "thinker.model.norm.weight"]
+    if not _tied(th, thinker):
+        names.append("thinker.lm_head.weight")
+    experts = _num_experts(th)
+    sparse_step = th.get("decoder_sparse_step") or 1
+    dense_layers = set(th.get("mlp_only_layers") or [])
+    for i in range(th["num_hidden_layers"]):
+        p = f"thinker.model.layers.{i}."
+        names += _attention(p, th)
+        if i not in dense_layers and experts > 0 and (i + 1) % sparse_step == 0:
+            names += _experts(f"{p}mlp.", experts)
+        else:
+            names += _dense_mlp(f"{p}mlp.")
+
+    tt = talker["text_config"]
+    names += ["talker.model.codec_embedding.weight", "talker.model.norm.weight"]
+    if not _tied(talker):
+        names.append("talker.codec_head.weight")
+    for proj in ("text_projection", "hidden_projection"):
+        names += [f"talker.{proj}.linear_fc{k}.{w}" for k in (1, 2) for w in ("weight", "bias")]
+    for i in range(tt["num_hidden_layers"]):  # every talker layer is a MoE layer
+        p = f"talker.model.layers.{i}."
+        names += _attention(p, tt)
+        names += _experts(f"{p}mlp.", _num_experts(tt))
+        names += _dense_mlp(f"{p}mlp.shared_expert.")
+        names.append(f"{p}mlp.shared_expert_gate.weight")
+
+    cp = talker["code_predictor_config"]
+    for g in range(cp["num_code_groups"] - 1):
+        names.append(f"talker.code_predictor.model.codec_embedding.{g}.weight")
+        names.append(f"talker.code_predictor.lm_head.{g}.weight")
+    for i in range(cp["num_hidden_layers"]):
+        p = f"talker.code_predictor.model.layers.{i}."
+        names += _attention(p, cp)
+        names += _dense_mlp(f"{p}mlp.")
+    names.append("talker.code_predictor.model.norm.weight")
+
+    names += ["code2wav.code_embedding.weight", "code2wav.pre_transformer.norm.weight"]
+    for i in range(c2w["num_hidden_layers"]):
+        p = f"code2wav.pre_transformer.layers.{i}."
+        names += _attention(p, c2w, qk_norm=False)
+        names += _dense_mlp(f"{p}mlp.")
+        names += [f"{p}self_attn_layer_scale.scale", f"{p}mlp_layer_scale.scale"]
+    return names
+
+
+def required_prefixes(config: dict) -> list[str]:
+    """Module prefixes that must hold at least one tensor (code2wav's convolution stacks,
+    checked loosely: their inner names follow the layer types, not the config)."""
+    c2w = config["code2wav_config"]
+    prefixes = [f"code2wav.upsample.{i}." for i in range(len(c2w["upsampling_ratios"]))]
+    # decoder.0: input conv; 1..n: one block per upsample rate; then activation, output conv.
+    prefixes += [f"code2wav.decoder.{i}." for i in range(len(c2w["upsample_rates"]) + 3)]
+    return prefixes
+
+
+def _expected_shapes(config: dict) -> dict[str, tuple[list[int], str]]:
+    """Shapes of embedding tables and heads: name -> (shape, how the config implies it)."""
+    thinker, talker, c2w = config["thinker_config"], config["talker_config"], config["code2wav_config"]
+    th, tt, cp = thinker["text_config"], talker["text_config"], talker["code_predictor_config"]
+    th_shape = ([th["vocab_size"], th["hidden_size"]],
+                "[thinker_config.text_config.vocab_size, hidden_size]")
+    tt_shape = ([tt["vocab_size"], tt["hidden_size"]],
+                "[talker_config.text_config.vocab_size, hidden_size]")
+    cp_shape = ([cp["vocab_size"], cp["hidden_size"]],
+                "[talker_config.code_predictor_config.vocab_size, hidden_size]")
+    shapes = {
+        "thinker.model.embed_tokens.weight": th_shape,
+        "thinker.lm_head.weight": th_shape,
+        "talker.model.codec_embedding.weight": tt_shape,
+        "talker.codec_head.weight": tt_shape,
+        "code2wav.code_embedding.weight": (
+            [c2w["codebook_size"] * c2w["num_quantizers"], c2w["hidden_size"]],
+            "[code2wav_config.codebook_size * num_quantizers, hidden_size]",
+        ),
+    }
+    for g in range(cp["num_code_groups"] - 1):
+        shapes[f"talker.code_predictor.model.codec_embedding.{g}.weight"] = cp_shape
+        shapes[f"talker.code_predictor.lm_head.{g}.weight"] = cp_shape
+    return shapes
+
+
+# -- files ---------------------------------------------------------------------------------
+
+
+def _read_json(path: Path, what: str) -> Any:
+    try:
+        with open(path, "rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise CheckpointError(path, what, "file not found") from None
+    except OSError as exc:
+        raise CheckpointError(path, what, f"cannot read: {exc.strerror or exc}") from exc
+    try:
+        return json.loads(data)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise CheckpointError(path, what, f"not valid JSON: {exc}") from exc
+
+
+def _shard_keys(path: Path) -> dict[str, list[int]]:
+    """Tensor name -> shape, from a safetensors file's header (no tensor data read)."""
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return {name: list(f.get_slice(name).get_shape()) for name in f.keys()}
+    except FileNotFoundError:
+        raise CheckpointError(path, "weights", "file not found") from None
+    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
+        raise CheckpointError(path, "header", f"not a readable safetensors file: {exc}") from exc
+
+
+def _file_stamp(path: Path) -> bytes:
+    st = path.stat()
+    return f"{path.name}:{st.st_size}:{st.st_mtime_ns}".encode()
+
+
+@dataclass(frozen=True)
+class OmniCheckpoint:
+    """A validated Qwen3-Omni-MoE checkpoint directory (see the module docstring)."""
+
+    path: Path
+    config: dict
+    generation_config: dict
+    weight_map: dict[str, str]
+
+    # -- opening
+    @classmethod
+    def open(cls, path: str | Path) -> OmniCheckpoint:
+        """Validate the directory and return it; raises CheckpointError (file, key, message)."""
+        path = Path(path).expanduser()
+        if not path.exists():
+            raise CheckpointError(path, "path", "no such directory")
+        if not path.is_dir():
+            raise CheckpointError(path, "path", "not a directory (expected a checkpoint folder)")
+        path = path.resolve()
+
+        config_file = path / CONFIG
+        config = _read_json(config_file, "config")
+        _validate_config(config_file, config)
+
+        generation: dict = {}
+        gen_file = path / GENERATION_CONFIG
+        if gen_file.exists():
+            generation = _read_json(gen_file, "generation_config")
+            if not isinstance(generation, dict):
+                raise CheckpointError(gen_file, "(top level)",
+                                      f"must be a JSON object, got {type(generation).__name__}")
+
+        weight_map, shapes, index_file = _read_weights(path)
+        _check_tensors(config, weight_map, shapes, path, index_file)
+        _check_tokenizer(path)
+        return cls(path=path, config=config, generation_config=generation, weight_map=weight_map)
+
+    # -- sub-configs
+    @property
+    def thinker_config(self) -> dict:
+        return self.config["thinker_config"]
+
+    @property
+    def talker_config(self) -> dict:
+        return self.config["talker_config"]
+
+    @property
+    def code2wav_config(self) -> dict:
+        return self.config["code2wav_config"]
+
+    # -- weights
+    def shard_files(self, prefix: str = "") -> list[Path]:
+        """Shards holding at least one tensor whose name starts with ``prefix``, sorted."""
+        names = {shard for name, shard in self.weight_map.items() if name.startswith(prefix)}
+        return sorted(self.path / shard for shard in names)
+
+    def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
+        """Every tensor whose name starts with ``prefix`` (full names as keys), read
+        read-only from only the shards that hold them."""
+        from safetensors import safe_open
+
+        by_shard: dict[str, list[str]] = {}
+        for name, shard in self.weight_map.items():
+            if name.startswith(prefix):
+                by_shard.setdefault(shard, []).append(name)
+        out: dict[str, torch.Tensor] = {}
+        for shard in sorted(by_shard):
+            with safe_open(str(self.path / shard), framework="pt", device="cpu") as f:
+                for name in sorted(by_shard[shard]):
+                    out[name] = f.get_tensor(name)
+        return out
+
+    def fingerprint(self) -> str:
+        """A short stable hash of what the checkpoint is: its resolved path, config.json,
+        the weight index and each shard's size and modification time (for cache keys)."""
+        h = hashlib.sha256()
+        h.update(os.fsencode(str(self.path.resolve())) + b"\0")
+        for name in (CONFIG, INDEX):
+            f = self.path / name
+            h.update(name.encode() + b"\0")
+            h.update(f.read_bytes() if f.exists() else b"")
+            h.update(b"\0")
+        for shard in sorted(set(self.weight_map.values())):
+            h.update(_file_stamp(self.path / shard) + b"\0")
+        return h.hexdigest()[:16]
+
+
+def _read_weights(path: Path) -> tuple[dict[str, str], dict[str, list[int]], Path]:
+    """(weight_map, shapes of every tensor, the file that lists them)."""
+    index_file = path / INDEX
+    if index_file.exists():
+        index = _read_json(index_file, "weight_map")
+        weight_map = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(weight_map, dict) or not weight_map:
+            raise CheckpointError(index_file, "weight_map", "missing or empty (expected tensor -> shard file)")
+        for name, shard in weight_map.items():
+            if not isinstance(shard, str) or not shard or Path(shard).is_absolute() or ".." in Path(shard).parts:
+                raise CheckpointError(index_file, f"weight_map.{name}",
+                                      f"shard must be a file name inside the checkpoint, got {shard!r}")
+        for shard in sorted(set(weight_map.values())):
+            if not (path / shard).is_file():
+                raise CheckpointError(path / shard, "weight_map",
+                                      f"shard named in {INDEX} is missing")
+        by_shard: dict[str, list[str]] = {}
+        for name, shard in weight_map.items():
+            by_shard.setdefault(shard, []).append(name)
+        shapes: dict[str, list[int]] = {}
+        for shard in sorted(by_shard):
+            found = _shard_keys(path / shard)
+            for name in by_shard[shard]:
+                if name not in found:
+                    raise CheckpointError(path / shard, name,
+                                          f"missing (listed in {INDEX} weight_map, not in the shard)")
+                shapes[name] = found[name]
+        return dict(weight_map), shapes, index_file
+    single = path / SINGLE
+    if not single.is_file():
+        raise CheckpointError(single, "weights",
+                              f"no weights: neither {SINGLE} nor {INDEX} in {path}")
+    shapes = _shard_keys(single)
+    return {name: SINGLE for name in shapes}, shapes, single
+
+
+def _check_tensors(config: dict, weight_map: dict[str, str], shapes: dict[str, list[int]],
+                   path: Path, index_file: Path) -> None:
+    for name in required_tensors(config):
+        if name not in weight_map:
+            raise CheckpointError(index_file, name, "missing")
+    names = sorted(weight_map)
+    for prefix in required_prefixes(config):
+        if not any(n.startswith(prefix) for n in names):
+            raise CheckpointError(index_file, prefix + "*", "missing (no tensor with this prefix)")
+    for name, (want, how) in _expected_shapes(config).items():
+        if name not in weight_map:  # e.g. a tied lm_head
+            continue
+        got = shapes.get(name)
+        if got is not None and list(got) != list(want):
+            raise CheckpointError(path / weight_map[name], name,
+                                  f"shape {list(got)} but the config implies {list(want)} {how}")
+
+
+def _check_tokenizer(path: Path) -> None:
+    if not (path / "tokenizer.json").is_file() and not (
+        (path / "vocab.json").is_file() and (path / "merges.txt").is_file()
+    ):
+        raise CheckpointError(path / "tokenizer.json", "tokenizer",
+                              "no tokenizer: neither tokenizer.json nor vocab.json + merges.txt")
+    tok_config = path / TOKENIZER_CONFIG
+    if tok_config.is_file():
+        data = _read_json(tok_config, "tokenizer_config")
+        if not isinstance(data, dict):
+            raise CheckpointError(tok_config, "(top level)",
+                                  f"must be a JSON object, got {type(data).__name__}")
+        if _template_ok(data.get("chat_template")):
+            return
+    template_json = path / CHAT_TEMPLATE_JSON
+    if template_json.is_file():
+        data = _read_json(template_json, "chat_template")
+        if not isinstance(data, dict) or not _template_ok(data.get("chat_template")):
+            raise CheckpointError(template_json, "chat_template", "missing or empty")
+        return
+    template_jinja = path / CHAT_TEMPLATE_JINJA
+    if template_jinja.is_file():
+        try:
+            text = template_jinja.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise CheckpointError(template_jinja, "chat_template", f"cannot read: {exc}") from exc
+        if text.strip():
+            return
+        raise CheckpointError(template_jinja, "chat_template", "empty")
+    raise CheckpointError(
+        template_json, "chat_template",
+        f"no chat template: none in {TOKENIZER_CONFIG} (key chat_template), "
+        f"{CHAT_TEMPLATE_JSON} or {CHAT_TEMPLATE_JINJA}",
+    )
+
+
+def _template_ok(value: Any) -> bool:
+    """A template string, or transformers' list of named templates."""
+    if isinstance(value, str):
+        return bool(value.strip())
+    if isinstance(value, list):
+        return bool(value) and all(isinstance(v, dict) and isinstance(v.get("template"), str) for v in value)
+    return False

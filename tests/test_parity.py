@@ -1,0 +1,227 @@
+"""Parity with the reference implementation (transformers' Qwen3-Omni-MoE).
+
+On the tiny random-weight checkpoint (released layout), greedy thinker and
+talker, the serving stack must reproduce
+``Qwen3OmniMoeForConditionalGeneration.generate(return_audio=True)``:
+thinker text ids equal, talker codes equal for all 16 codebooks, waveform
+max abs diff <= 1e-4 -- for single requests, for 4 at once, on the async
+(materializer) and sync paths.
+
+``Speak`` (tts profile) speaks the given text as the assistant's turn; its
+reference is the same ``generate()`` with the thinker's reply fixed to that
+text (the reference talker reads only the thinker's input embeddings of
+text positions, which the test computes with the reference thinker).
+
+Reference conventions, matched on purpose:
+- the reference drops the frame of the talker's last step (it computes a
+  frame's residual codes at the next step), so a reference run with
+  ``talker_max_new_tokens = N + 1`` is compared with a served run capped at
+  N frames (when the talker ends on its own, both stop at the same frame);
+- the reference decodes the waveform in one piece; the service streams it in
+  chunks with the stateful Code2Wav.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+from types import SimpleNamespace
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from gateway.audio import pcm16le
+from omni_cli.launcher import Stack, StackConfig
+from omni_serving.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from tests.speech_helpers import check_chunks
+
+pytest.importorskip("vllm")
+pytestmark = [pytest.mark.parity, pytest.mark.vllm, pytest.mark.e2e]
+
+PROMPTS = [
+    ("Hello world, this is a test.", "ethan"),
+    ("She sells sea shells by the sea shore.", "chelsie"),
+    ("Good morning to everyone here!", "aiden"),
+]
+FRAMES = 12  # talker frames per Speak request
+THINKER_TOKENS = 10  # thinker tokens per Generate request
+TALKER_DEFAULT_FRAMES = 64  # the talker's default cap on the omni path
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    import omni_common  # noqa: F401 -- torchvision shim before transformers
+    from decoder_svc.qwen3_omni.tiny import create_tiny_checkpoint
+
+    return create_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "qwen3-omni-tiny")
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    from transformers import AutoTokenizer, Qwen3OmniMoeForConditionalGeneration
+
+    model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+    return SimpleNamespace(model=model, tok=AutoTokenizer.from_pretrained(str(checkpoint)), cfg=model.config)
+
+
+def _chat(ref, text: str) -> list[int]:
+    out = ref.tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+    return list(out if isinstance(out, list) else out["input_ids"])
+
+
+def _run_reference(ref, prompt_ids: list[int], voice: str, talker_max: int, thinker_max: int, reply: list[int] | None):
+    """(thinker reply ids, codes [T, 16], waveform float32) from generate()."""
+    model = ref.model
+    rec: dict[str, torch.Tensor] = {}
+    orig_decode = model.code2wav.chunked_decode
+    orig_thinker = model.thinker.generate
+
+    def decode(codes, **kw):
+        rec["codes"] = codes.clone()
+        return orig_decode(codes, **kw)
+
+    def fixed_reply(input_ids=None, **kw):  # Speak: the reply is the given text
+        seq = torch.tensor([prompt_ids + reply])
+        out = model.thinker(input_ids=seq[:, :-1], output_hidden_states=True)
+        return SimpleNamespace(sequences=seq, hidden_states=(out.hidden_states,))
+
+    model.code2wav.chunked_decode = decode
+    if reply is not None:
+        model.thinker.generate = fixed_reply
+    try:
+        with torch.no_grad():
+            seqs, wav = model.generate(
+                input_ids=torch.tensor([prompt_ids]),
+                speaker=voice,
+                return_audio=True,
+                thinker_max_new_tokens=thinker_max,
+                thinker_do_sample=False,
+                thinker_eos_token_id=ref.cfg.im_end_token_id,
+                talker_do_sample=False,
+                talker_max_new_tokens=talker_max,
+            )
+    finally:
+        model.code2wav.chunked_decode = orig_decode
+        model.thinker.generate = orig_thinker
+    return seqs[0, len(prompt_ids):].tolist(), rec["codes"][0].T, wav.reshape(-1).float()
+
+
+def reference_speak(ref, text: str, voice: str):
+    reply = ref.tok(text, add_special_tokens=False)["input_ids"] + [ref.cfg.im_end_token_id]
+    return _run_reference(ref, _chat(ref, text), voice, FRAMES + 1, 0, reply)
+
+
+def reference_generate(ref, text: str, voice: str):
+    return _run_reference(ref, _chat(ref, text), voice, TALKER_DEFAULT_FRAMES + 1, THINKER_TOKENS, None)
+
+
+def _stack(tmp_path_factory, checkpoint, profile: str, sync: bool) -> Stack:
+    stack = Stack(StackConfig(engine="vllm", profile=profile, model=str(checkpoint), sync=sync, port=0, http_port=0,
+                              runtime_dir=str(tmp_path_factory.mktemp("rt")), log_level="WARNING"))
+    stack.start(timeout_s=300)
+    return stack
+
+
+def _speak(target: str, text: str, voice: str) -> np.ndarray:
+    with grpc.insecure_channel(target) as ch:
+        stub = gateway_pb2_grpc.OmniGatewayServiceStub(ch)
+        req = gateway_pb2.SpeakRequest(text=text, voice=voice,
+                                       sampling_params=common_pb2.SamplingParams(temperature=0, max_tokens=FRAMES))
+        pcm = check_chunks(list(stub.Speak(req, timeout=300)))
+    return np.frombuffer(pcm, dtype="<i2").astype(np.int32)
+
+
+def _generate(target: str, text: str, voice: str) -> tuple[list[int], np.ndarray]:
+    with grpc.insecure_channel(target) as ch:
+        stub = gateway_pb2_grpc.OmniGatewayServiceStub(ch)
+        req = gateway_pb2.OmniGatewayServiceGenerateRequest(
+            prompt=text, voice=voice, output_modalities="text+audio", output_kind=gateway_pb2.OUTPUT_KIND_FINAL_ONLY,
+            sampling_params=common_pb2.SamplingParams(temperature=0, max_tokens=THINKER_TOKENS))
+        final = [r.output for r in stub.Generate(req, timeout=300)][-1]
+    assert final.finished
+    audio = [np.frombuffer(t.tensor.inline_data, dtype="<f4") for t in final.multimodal.tensors if t.name == "audio"]
+    return list(final.text.token_ids), np.concatenate(audio) if audio else np.zeros(0, np.float32)
+
+
+def _pcm(wav: torch.Tensor) -> np.ndarray:
+    return np.frombuffer(pcm16le(wav), dtype="<i2").astype(np.int32)
+
+
+def test_talker_codes_equal_reference_single_and_batched(checkpoint, reference):
+    """In-process talker on vLLM: all 16 codebooks per frame, one request at a
+    time and 4 at once with mixed speakers (no state leaks between them)."""
+    from decoder_svc.backend import RequestSpec
+    from decoder_svc.profile import load_profile
+    from decoder_svc.qwen3_omni.engine import build_engine
+
+    engine = build_engine(load_profile("tts"), checkpoint, max_num_seqs=8)
+    talker = engine.backends["talker"]
+
+    def run(specs):
+        codes = {s.request_id: [] for s in specs}
+        for s in specs:
+            talker.add_request(engine.prepare(s))
+        while talker.has_unfinished():
+            out = talker.step()
+            if out is None:
+                continue
+            c, _ = out.mm_outputs["codec_codes"]
+            for i, rid in enumerate(out.request_ids):
+                codes[rid].append(c[i])
+        return {rid: torch.stack(v) for rid, v in codes.items()}
+
+    try:
+        prompts = PROMPTS + [("Numbers: 1 2 3 and 42.", "ethan")]
+        single = {}
+        for i, (text, voice) in enumerate(prompts):
+            spec = RequestSpec(request_id=f"s{i}", prompt=text, voice=voice, max_tokens=FRAMES)
+            single[i] = run([spec])[f"s{i}"]
+            _, ref_codes, _ = reference_speak(reference, text, voice)
+            n = ref_codes.shape[0]
+            assert n > 0 and torch.equal(single[i][:n], ref_codes), f"codes differ from the reference for {text!r}"
+        batch = run([RequestSpec(request_id=f"b{i}", prompt=t, voice=v, max_tokens=FRAMES)
+                     for i, (t, v) in enumerate(prompts)])
+        for i in range(len(prompts)):
+            assert torch.equal(batch[f"b{i}"], single[i]), f"request {i} changed when batched with others"
+    finally:
+        engine.close()
+
+
+@pytest.mark.parametrize("sync", [False, True], ids=["async", "sync"])
+def test_speak_through_services_matches_reference(tmp_path_factory, checkpoint, reference, sync):
+    expected = {text: _pcm(reference_speak(reference, text, voice)[2]) for text, voice in PROMPTS}
+    stack = _stack(tmp_path_factory, checkpoint, "tts", sync)
+    try:
+        for text, voice in PROMPTS:  # one at a time
+            got = _speak(stack.gateway_target, text, voice)
+            assert got.shape == expected[text].shape, (text, got.shape, expected[text].shape)
+            assert np.abs(got - expected[text]).max() <= 4, f"audio differs from the reference for {text!r}"
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:  # 4 at once
+            jobs = [(t, v) for t, v in PROMPTS] + [PROMPTS[0]]
+            outs = list(pool.map(lambda p: _speak(stack.gateway_target, *p), jobs))
+        for (text, _), got in zip(jobs, outs, strict=True):
+            assert np.abs(got - expected[text]).max() <= 4, f"concurrent audio differs for {text!r}"
+    finally:
+        assert stack.stop() == []
+
+
+def test_generate_through_services_matches_reference(tmp_path_factory, checkpoint, reference):
+    expected = {text: reference_generate(reference, text, voice) for text, voice in PROMPTS}
+    results = {}
+    for sync in (False, True):
+        stack = _stack(tmp_path_factory, checkpoint, "omni", sync)
+        try:
+            target = stack.gateway_target
+            with concurrent.futures.ThreadPoolExecutor(4) as pool:
+                outs = list(pool.map(_generate, [target] * len(PROMPTS), *zip(*PROMPTS, strict=True)))
+        finally:
+            assert stack.stop() == []
+        results[sync] = outs
+        for (text, _), (ids, audio) in zip(PROMPTS, outs, strict=True):
+            ref_ids, _, ref_wav = expected[text]
+            assert ids == ref_ids, f"thinker ids differ for {text!r}: {ids} vs {ref_ids}"
+            assert audio.shape[0] == ref_wav.shape[0], (text, audio.shape, ref_wav.shape)
+            assert float(np.abs(audio - ref_wav.numpy()).max()) <= 1e-4, f"waveform differs for {text!r}"
+    for (ids_a, audio_a), (ids_s, audio_s) in zip(results[False], results[True], strict=True):
+        assert ids_a == ids_s and np.array_equal(audio_a, audio_s), "async and sync paths differ"
