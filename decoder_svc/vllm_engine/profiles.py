@@ -120,7 +120,7 @@ def create_profile_models(profile_name: str | Profile, out_dir: Path, *, seed: i
 
     Layout: ``out_dir/<stage name>/``. A directory whose omni_stage.json
     matches the wanted config (kind, seed, sizes) is kept as is
-    (idempotent); anything else there is replaced. Each checkpoint is written
+    (idempotent); anything else there is refused (never deleted). Each checkpoint is written
     to a temporary sibling directory and renamed into place, so an
     interrupted run never leaves a half-written model that looks complete.
     """
