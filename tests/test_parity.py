@@ -150,7 +150,8 @@ def _pcm(wav: torch.Tensor) -> np.ndarray:
 
 def test_talker_codes_equal_reference_single_and_batched(checkpoint, reference):
     """In-process talker on vLLM: all 16 codebooks per frame, one request at a
-    time and 4 at once with mixed speakers (no state leaks between them)."""
+    time, 4 at once and 16 at once with mixed speakers and aborts mid-stream
+    (no state leaks between requests, none left behind)."""
     from decoder_svc.backend import RequestSpec
     from decoder_svc.profile import load_profile
     from decoder_svc.qwen3_omni.engine import build_engine
@@ -158,11 +159,16 @@ def test_talker_codes_equal_reference_single_and_batched(checkpoint, reference):
     engine = build_engine(load_profile("tts"), checkpoint, max_num_seqs=8)
     talker = engine.backends["talker"]
 
-    def run(specs):
+    def run(specs, abort_after: dict[str, int] | None = None):
         codes = {s.request_id: [] for s in specs}
         for s in specs:
             talker.add_request(engine.prepare(s))
+        pending = dict(abort_after or {})
         while talker.has_unfinished():
+            for rid, n in list(pending.items()):
+                if len(codes[rid]) >= n:
+                    assert talker.abort(rid)
+                    del pending[rid]
             out = talker.step()
             if out is None:
                 continue
@@ -184,6 +190,17 @@ def test_talker_codes_equal_reference_single_and_batched(checkpoint, reference):
                      for i, (t, v) in enumerate(prompts)])
         for i in range(len(prompts)):
             assert torch.equal(batch[f"b{i}"], single[i]), f"request {i} changed when batched with others"
+        # 16 at once, speakers mixed, two aborted mid-stream: the others are unchanged
+        specs = [RequestSpec(request_id=f"m{j}", prompt=prompts[j % 4][0], voice=prompts[j % 4][1], max_tokens=FRAMES)
+                 for j in range(16)]
+        mixed = run(specs, abort_after={"m5": 3, "m10": 6})
+        for j in range(16):
+            if j in (5, 10):
+                assert len(mixed[f"m{j}"]) < FRAMES, "an aborted request kept producing frames"
+                continue
+            assert torch.equal(mixed[f"m{j}"], single[j % 4]), f"request m{j} changed in a batch of 16"
+        with talker._model.states_lock:
+            assert talker._model.states == {}, "per-request talker state left behind"
     finally:
         engine.close()
 
