@@ -285,7 +285,9 @@ def test_up_vllm_default_engine(up_factory, tmp_path):
     up = up_factory(env={"OMNI_SERVING_MODEL_DIR": str(models)})
     endpoints = up.wait_ready(600)
     assert "engine vllm" in up.errors()
-    assert (models / "tts" / "talker").is_dir(), "the decoder should have created the talker model"
+    from decoder_svc.qwen3_omni.cache import TINY_DIR_NAME
+
+    assert (models / TINY_DIR_NAME / "config.json").is_file(), "the decoder should have created the tiny checkpoint"
     tree = check_running(up)
 
     speak_and_check(up)

@@ -25,6 +25,8 @@ import torch  # noqa: E402
 from decoder_svc.backend import RequestSpec  # noqa: E402
 from decoder_svc.pipeline import Pipeline  # noqa: E402
 from decoder_svc.profile import load_profile  # noqa: E402
+
+STANDIN_OMNI = os.path.join(os.path.dirname(__file__), "fakes", "standin_omni.yaml")
 from omni_common.materialize import (  # noqa: E402
     PER_REQUEST,
     PER_TOKEN,
@@ -58,11 +60,11 @@ def models(tmp_path_factory):
     from decoder_svc.vllm_engine.profiles import create_profile_models
 
     root = tmp_path_factory.mktemp("vllm-models")
-    dirs = create_profile_models("omni", root)
+    dirs = create_profile_models(load_profile(STANDIN_OMNI), root)
     assert set(dirs) == {"thinker", "talker"}
     # idempotent: a second call keeps the files
     mtimes = {n: (d / "model.safetensors").stat().st_mtime_ns for n, d in dirs.items()}
-    assert create_profile_models("omni", root) == dirs
+    assert create_profile_models(load_profile(STANDIN_OMNI), root) == dirs
     assert {n: (d / "model.safetensors").stat().st_mtime_ns for n, d in dirs.items()} == mtimes
     return root
 
@@ -173,7 +175,7 @@ def test_hidden_capture_prefix_cache_and_embedding(models):
         assert first_rows["pc0"] == prompt_len
         assert first_rows["pc1"] < prompt_len
         # the snapshot (taken with that step's request list) slices exactly those rows
-        plan = load_profile("omni").stage("thinker").plan()
+        plan = load_profile(STANDIN_OMNI).stage("thinker").plan()
         out = first_out["pc1"]
         view = view_from_tensors(
             step_id=1, stage_id=0, request_ids=out.request_ids, spans=out.spans,
@@ -361,13 +363,13 @@ def test_omni_thinker_hands_hidden_states_to_talker(models):
     rows become the talker's prompt embeds, and the talker's codes become audio."""
     from decoder_svc.vllm_engine.profiles import build_backends
 
-    backends = build_backends("omni", models, max_num_seqs=8)
+    backends = build_backends(load_profile(STANDIN_OMNI), models, max_num_seqs=8)
     assert set(backends) == {"thinker", "talker"}
     assert backends["thinker"].engine_facts()["capture_hidden"] is True
     assert backends["talker"].engine_facts()["enable_prompt_embeds"] is True
     thinker_tokens = record_engine_tokens(backends["thinker"])
     talker_tokens = record_engine_tokens(backends["talker"])
-    profile = load_profile("omni")
+    profile = load_profile(STANDIN_OMNI)
     pipeline = Pipeline(profile, backends, materializer_target=None, shm_prefix="omni-vt-omni", arena=None)
     text: dict[str, list[str]] = defaultdict(list)
     new_ids: dict[str, list[int]] = defaultdict(list)

@@ -423,6 +423,24 @@ def _register_cpu_kernel_overrides_once() -> None:
     cls._omni_kernel_overrides_once = True
 
 
+def _inspect_in_process(model_dir: Path) -> None:
+    """Register the checkpoint's architectures by class, so that vLLM inspects
+    them in this process: its default inspects lazily registered models in a
+    fresh interpreter, where the torchvision import shim is not installed."""
+    import json
+
+    from vllm import ModelRegistry
+
+    try:
+        archs = json.loads((model_dir / "config.json").read_text()).get("architectures") or []
+    except (OSError, ValueError):
+        return
+    for arch in archs:
+        cls = ModelRegistry._try_load_model_cls(arch)  # noqa: SLF001 -- in-process load of a known architecture
+        if cls is not None:
+            ModelRegistry.register_model(arch, cls)
+
+
 def close_engine(engine: LLMEngine) -> None:
     """Release one in-process engine WITHOUT tearing down process-global state.
 
@@ -496,10 +514,12 @@ def make_engine(
     (``<id>-<8 chars>``), which is what StepCapture.req_ids contains.
     """
     _set_env_defaults()
+    import omni_common  # noqa: F401 -- the torchvision import shim, before vLLM imports transformers' image code
     from vllm import EngineArgs, LLMEngine
     from vllm.v1.executor.abstract import Executor
 
     _register_cpu_kernel_overrides_once()
+    _inspect_in_process(Path(model_dir))
 
     kwargs: dict[str, Any] = dict(
         model=str(model_dir),
