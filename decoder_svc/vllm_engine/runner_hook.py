@@ -514,9 +514,10 @@ def make_engine(
     (``<id>-<8 chars>``), which is what StepCapture.req_ids contains.
     """
     _set_env_defaults()
-    import omni_common  # noqa: F401 -- the torchvision import shim, before vLLM imports transformers' image code
     from vllm import EngineArgs, LLMEngine
     from vllm.v1.executor.abstract import Executor
+
+    import omni_common  # noqa: F401 -- the torchvision import shim, before vLLM imports transformers' image code
 
     _register_cpu_kernel_overrides_once()
     _inspect_in_process(Path(model_dir))
