@@ -24,10 +24,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("suite", choices=(*SUITES, "all", "breakdown"),
                    help="which benchmark to run (breakdown: a diagnostic of the critical path, not part of all)")
     p.add_argument("--quick", action="store_true",
-                   help="tiny sizes for CI (batch 1 and 4, payloads up to 1 MiB, concurrency 1 and 4, reference engine)")
+                   help="tiny sizes for CI (batch 1 and 4, payloads up to 1 MiB, concurrency 1 and 4, fake engine)")
     p.add_argument("--out", default="", help="results folder (default bench/results/<suite>-<timestamp>/)")
-    p.add_argument("--engine", choices=("auto", "vllm", "reference"), default="auto",
-                   help="AR engine for step-gap and e2e (auto: vllm for full runs, reference for --quick)")
+    p.add_argument("--engine", choices=("auto", "vllm", "fake"), default="auto",
+                   help="AR engine for step-gap and e2e (auto: vllm for full runs, fake for --quick)")
     p.add_argument("--model-dir", default="",
                    help="step-gap: folder for the hidden-2048 talker checkpoint (default: the user cache)")
     p.add_argument("--batch", type=int, default=0, help="breakdown: batch size (default: the largest step-gap batch)")

@@ -73,7 +73,7 @@ class E2EConfig:
     @classmethod
     def for_run(cls, quick: bool, engine: str = "auto", model_dir: str = "") -> E2EConfig:
         if quick:
-            return cls(quick=True, engine="reference" if engine == "auto" else engine, concurrency=(1, 4),
+            return cls(quick=True, engine="fake" if engine == "auto" else engine, concurrency=(1, 4),
                        prompts={1: 3, 4: 8}, max_tokens=16, warmup_max_tokens=16, model_dir=model_dir)
         return cls(engine="vllm" if engine == "auto" else engine, model_dir=model_dir)
 
@@ -239,9 +239,9 @@ def run(cfg: E2EConfig, out_dir: Path) -> SuiteResult:
         import importlib.util
 
         if importlib.util.find_spec("vllm") is None:
-            note = "vLLM is not installed here; the reference engine ran instead"
+            note = "vLLM is not installed here; the fake engine ran instead"
             log(f"e2e: {note}")
-            cfg = dataclasses.replace(cfg, engine="reference")
+            cfg = dataclasses.replace(cfg, engine="fake")
     model_dir = _ensure_models(cfg)
     sampler = RssSampler().start()
     stacks: dict[str, Any] = {}

@@ -101,9 +101,9 @@ def calibrate_work(target_s: float) -> int:
 
 
 def build_reference_talker(*, hidden_size: int = BENCH_HIDDEN, work_per_step: int = 0, max_num_seqs: int = 64) -> Any:
-    from decoder_svc.reference_backend import ReferenceBackend
+    from decoder_svc.fake_engine import FakeBackend
 
-    return ReferenceBackend(role="talker", hidden_size=hidden_size, work_per_step=work_per_step, max_num_seqs=max_num_seqs)
+    return FakeBackend(role="talker", hidden_size=hidden_size, work_per_step=work_per_step, max_num_seqs=max_num_seqs)
 
 
 @dataclass

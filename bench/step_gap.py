@@ -73,7 +73,7 @@ ARENA_SLOT_BYTES = 4 * 2**20
 @dataclasses.dataclass
 class StepGapConfig:
     quick: bool = False
-    engine: str = "auto"  # auto | vllm | reference
+    engine: str = "auto"  # auto | vllm | fake
     batches: tuple[int, ...] = (1, 16, 64)
     warmup: int = 4
     steps: dict[int, int] = dataclasses.field(default_factory=lambda: {1: 160, 16: 80, 64: 60})
@@ -86,7 +86,7 @@ class StepGapConfig:
     @classmethod
     def for_run(cls, quick: bool, engine: str = "auto", model_dir: str = "") -> StepGapConfig:
         if quick:
-            return cls(quick=True, engine="reference" if engine == "auto" else engine, batches=(1, 4), warmup=3,
+            return cls(quick=True, engine="fake" if engine == "auto" else engine, batches=(1, 4), warmup=3,
                        steps={1: 12, 4: 12}, rounds=1, model_dir=model_dir, reference_step_s=0.002)
         return cls(engine="vllm" if engine == "auto" else engine, model_dir=model_dir)
 
@@ -194,7 +194,7 @@ class MaterializerProcess:
 
 def prompt_for(i: int, engine: str, max_tokens: int) -> str:
     base = f"Request {i} reads this sentence aloud in a calm voice."
-    if engine == "reference":
+    if engine == "fake":
         # the reference talker emits 4 + 2 x len(prompt) frames at most
         base = (base + " ") * (max_tokens // (2 * len(base)) + 1)
     return base
@@ -316,15 +316,15 @@ def _build_engine(cfg: StepGapConfig) -> tuple[Any, str, str]:
                    f"{cfg.num_layers} layer(s), random weights from {folder / 'talker'}; engine built in "
                    f"{time.perf_counter() - t:.0f}s")
             return backend, "vllm", why
-        except Exception as exc:  # noqa: BLE001  reported; the suite falls back to the reference engine
-            log(f"vLLM engine unavailable ({exc!r}); falling back to the reference backend")
+        except Exception as exc:  # noqa: BLE001  reported; the suite falls back to the fake engine
+            log(f"vLLM engine unavailable ({exc!r}); falling back to the fake engine")
             fallback = f"vLLM engine failed to build here ({type(exc).__name__}: {exc}); "
     else:
-        fallback = "reference engine requested (quick run: fast and deterministic); "
+        fallback = "fake engine requested (quick run: fast and deterministic); "
     work = engines.calibrate_work(cfg.reference_step_s)
     backend = engines.build_reference_talker(hidden_size=cfg.hidden_size, work_per_step=work, max_num_seqs=max(64, max(cfg.batches)))
     why = fallback + f"reference backend, hidden {cfg.hidden_size}, work_per_step {work} (~{cfg.reference_step_s * 1e3:.0f} ms matmul per step)"
-    return backend, "reference", why
+    return backend, "fake", why
 
 
 def _warm_engine(backend: engines.MeasuredBackend, engine: str, batch: int, steps: int) -> None:

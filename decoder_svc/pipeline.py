@@ -24,7 +24,7 @@ import torch
 
 from decoder_svc import metrics
 from decoder_svc.backend import ARBackend, RequestSpec, StepOutput
-from decoder_svc.code2wav import ChunkState, ReferenceVocoderFactory
+from decoder_svc.code2wav import ChunkState
 from decoder_svc.cuda_staging import CudaStaging
 from decoder_svc.guards import GuardDecision, evaluate, log_decision
 from decoder_svc.materializer_link import MaterializerLink
@@ -261,7 +261,7 @@ class Pipeline:
     ) -> None:
         """vocoder: the generation stage's streaming vocoder (``new_stream``,
         ``voices``, ``sample_rate``, ``num_codebooks``, ``codebook_size``);
-        default: the reference vocoder. prepare: turns a request into what
+        default: the fake engine's vocoder (a test double). prepare: turns a request into what
         the first stage takes (e.g. a chat prompt, tokenized), or raises
         InvalidArgumentError."""
         self.profile = profile
@@ -323,9 +323,11 @@ class Pipeline:
             )
             for s in self.ar_configs
         }
-        if vocoder is None:
+        if vocoder is None:  # tests that build a Pipeline by hand: the fake engine's vocoder
+            from decoder_svc.fake_engine import FakeVocoderFactory
+
             talker = backends[self.ar_configs[-1].name]
-            vocoder = ReferenceVocoderFactory(
+            vocoder = FakeVocoderFactory(
                 num_codebooks=getattr(talker, "num_codebooks", 16),
                 codec_vocab=getattr(talker, "codec_vocab", 2048),
                 left_context=self.gen_config.codec_left_context_frames,

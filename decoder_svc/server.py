@@ -35,8 +35,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="deployment name; shared-memory segments are named omni-<deployment>-*")
     p.add_argument("--profile", default=os.environ.get("OMNI_PROFILE", "tts"),
                    help=f"deploy profile: one of {available_profiles()} or a YAML path")
-    p.add_argument("--engine", choices=("vllm", "reference"), default=os.environ.get("OMNI_ENGINE", "vllm"),
-                   help="AR engine backend: vllm (default) or the deterministic reference test double")
+    p.add_argument("--engine", choices=("vllm", "fake", "reference"), default=os.environ.get("OMNI_ENGINE", "vllm"),
+                   help="vllm (default: the model) or fake (a deterministic test double, not a model; "
+                        "'reference' is its deprecated name)")
     p.add_argument("--model", default=os.environ.get("OMNI_MODEL", ""),
                    help="a Qwen3-Omni-MoE checkpoint directory (vllm engine; read only); "
                         "default: a tiny random-weight one, created in the model cache on first run")
@@ -56,14 +57,16 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def build_engine(args: argparse.Namespace, profile) -> tuple[dict, dict]:
     """(backends by stage name, extra Pipeline arguments: vocoder, prepare)."""
-    if args.engine == "reference":
-        from decoder_svc.reference_backend import ReferenceBackend
+    if args.engine in ("fake", "reference"):
+        from decoder_svc.fake_engine import FakeBackend
 
+        if args.engine == "reference":
+            logger.warning("--engine reference is a deprecated name of --engine fake (the test double)")
         backends = {
-            s.name: ReferenceBackend(role=s.engine_role or s.name, max_num_seqs=args.max_num_seqs)
+            s.name: FakeBackend(role=s.engine_role or s.name, max_num_seqs=args.max_num_seqs)
             for s in profile.ar_stages
         }
-        return backends, {}
+        return backends, {}  # the Pipeline's default vocoder is the fake engine's
     try:
         from decoder_svc.qwen3_omni.checkpoint import CheckpointError
         from decoder_svc.qwen3_omni.engine import build_engine as build_qwen3_omni

@@ -45,7 +45,7 @@ import yaml
 from omni_common.errors import UnavailableError
 from omni_common.server import wait_for_health_sync
 
-ENGINES = ("vllm", "reference")
+ENGINES = ("vllm", "fake", "reference")  # "reference": deprecated name of "fake"
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 # sun_path holds 108 bytes including the terminating NUL.
 _MAX_UDS_PATH_BYTES = 107
@@ -129,7 +129,7 @@ class UpOption:
 UP_OPTIONS: tuple[UpOption, ...] = (
     UpOption("profile", str, "deploy profile: tts, omni or a profile YAML path"),
     UpOption("engine", str, "AR engine: vllm (a tiny checkpoint created on first run unless --model) "
-             "or reference (deterministic, fast)", ENGINES),
+             "or fake (a deterministic test double, not a model; starts in a second)", ENGINES),
     UpOption("materializer_impl", str, "materializer implementation (python -m materializer_svc --list)"),
     UpOption("model", str, "Qwen3-Omni checkpoint directory, only read (vllm engine); "
              "empty = the tiny checkpoint in the decoder's model cache", metavar="DIR"),

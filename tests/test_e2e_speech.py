@@ -22,7 +22,7 @@ TEXTS = [("Hello there", 7), ("The quick brown fox jumps over the lazy dog", 11)
 def stack(request, tmp_path_factory):
     """The stack, once per shipped materializer, chosen by configuration only."""
     runtime = tmp_path_factory.mktemp("rt")
-    s = Stack(StackConfig(engine="reference", materializer_impl=request.param, runtime_dir=str(runtime), port=0,
+    s = Stack(StackConfig(engine="fake", materializer_impl=request.param, runtime_dir=str(runtime), port=0,
                           http_port=0, log_level="WARNING"))
     s.start()
     yield s

@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from decoder_svc.backend import RequestSpec
+from decoder_svc.fake_engine import FakeBackend
 from decoder_svc.pipeline import Pipeline
 from decoder_svc.profile import load_profile
-from decoder_svc.reference_backend import ReferenceBackend
 from gateway.audio import pcm16le
 from materializer_svc.reference import ReferenceMaterializer
 from materializer_svc.registry import MaterializerConfig
@@ -54,7 +54,7 @@ class Collector:
 
 
 def backends(profile):
-    return {s.name: ReferenceBackend(role=s.engine_role) for s in profile.ar_stages}
+    return {s.name: FakeBackend(role=s.engine_role) for s in profile.ar_stages}
 
 
 def run_batch(profile_name: str, *, n: int = 8, modality: str = "audio", **kw) -> tuple[dict, Pipeline]:
@@ -218,7 +218,7 @@ def test_stalled_materializer_costs_no_request(tmp_path):
     assert got == sync
 
 
-class FlakyFakeBackend(ReferenceBackend):
+class FlakyFakeBackend(FakeBackend):
     """Test double: the reference talker whose third step raises."""
 
     calls = 0

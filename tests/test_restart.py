@@ -15,7 +15,7 @@ pytestmark = pytest.mark.e2e
 
 
 def test_sigkill_then_restart_leaves_no_stale_segment(tmp_path):
-    cfg = dict(engine="reference", deployment="killtest", port=0, http_port=0, log_level="WARNING")
+    cfg = dict(engine="fake", deployment="killtest", port=0, http_port=0, log_level="WARNING")
     first = Stack(StackConfig(runtime_dir=str(tmp_path / "a"), **cfg))
     first.start()
     try:

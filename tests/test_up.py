@@ -237,7 +237,7 @@ def test_up_reference_speaks_serves_metrics_and_stops_clean(up_factory, tmp_path
     # The engine comes from a config file; the command line's --deployment
     # wins over the file's.
     config = tmp_path / "stack.toml"
-    config.write_text('engine = "reference"\nmaterializer-impl = "reference"\ndeployment = "from-file"\n')
+    config.write_text('engine = "fake"\nmaterializer-impl = "reference"\ndeployment = "from-file"\n')
     up = up_factory("--config", str(config))
     endpoints = up.wait_ready(120)
     assert "omni-serving speak" in up.output()
@@ -256,7 +256,7 @@ def test_up_reference_speaks_serves_metrics_and_stops_clean(up_factory, tmp_path
 def test_up_ctrl_c_stops_all_children(up_factory):
     # The pool materializer starts a forkserver and worker processes: children
     # of children, which must go too.
-    up = up_factory("--engine", "reference", "--materializer-impl", "pool")
+    up = up_factory("--engine", "fake", "--materializer-impl", "pool")
     up.wait_ready(120)
     tree = check_running(up)
     speak_and_check(up)
@@ -267,7 +267,7 @@ def test_up_ctrl_c_stops_all_children(up_factory):
 
 @pytest.mark.e2e
 def test_up_reports_a_service_that_fails_to_start(up_factory):
-    up = up_factory("--engine", "reference", "--materializer-impl", "no-such-impl")
+    up = up_factory("--engine", "fake", "--materializer-impl", "no-such-impl")
     rc = up.proc.wait(120)
     assert rc == 1
     assert "materializer exited" in up.errors(), up.errors()[-2000:]
@@ -318,11 +318,11 @@ def test_defaults():
 def test_config_file_and_command_line_precedence(tmp_path, suffix):
     path = tmp_path / f"stack{suffix}"
     if suffix == ".toml":
-        path.write_text('profile = "omni"\nengine = "reference"\nhttp-port = 9000\nsync = true\nstartup_timeout = 60\n')
+        path.write_text('profile = "omni"\nengine = "fake"\nhttp-port = 9000\nsync = true\nstartup_timeout = 60\n')
     else:
-        path.write_text("profile: omni\nengine: reference\nhttp-port: 9000\nsync: true\nstartup_timeout: 60\n")
+        path.write_text("profile: omni\nengine: fake\nhttp-port: 9000\nsync: true\nstartup_timeout: 60\n")
     cfg = _parse("--config", str(path), "--http-port", "9001", "--no-sync")
-    assert cfg.profile == "omni" and cfg.engine == "reference" and cfg.startup_timeout == 60.0
+    assert cfg.profile == "omni" and cfg.engine == "fake" and cfg.startup_timeout == 60.0
     assert cfg.http_port == 9001, "the command line wins over the file"
     assert cfg.sync is False
     assert cfg.port == default_value("port"), "keys absent from both keep their default"
@@ -331,7 +331,7 @@ def test_config_file_and_command_line_precedence(tmp_path, suffix):
 @pytest.mark.parametrize(
     ("text", "needle"),
     [
-        ('engine = "reference"\nmaterialiser-impl = "pool"\n', "'materialiser-impl'"),
+        ('engine = "fake"\nmaterialiser-impl = "pool"\n', "'materialiser-impl'"),
         ('port = "50051"\n', "'port'"),
         ('engine = "tensorrt"\n', "'engine'"),
         ("engine = \n", "not valid TOML"),
@@ -359,7 +359,7 @@ def test_cli_rejects_bad_values(capsys):
 
 def test_service_commands_pass_metrics_flags_and_sockets(tmp_path):
     cfg = StackConfig(deployment="d1", decoder_metrics_port=9201, materializer_metrics_port=9202,
-                      metrics_host="0.0.0.0", engine="reference", model="/m")
+                      metrics_host="0.0.0.0", engine="fake", model="/m")
     svcs = {s.name: s for s in service_commands(cfg, tmp_path)}
     assert list(svcs) == ["materializer", "decoder", "gateway"]
 
@@ -372,7 +372,7 @@ def test_service_commands_pass_metrics_flags_and_sockets(tmp_path):
     assert (dec["--metrics-port"], dec["--metrics-host"]) == ("9201", "0.0.0.0")
     assert dec["--materializer"] == mat["--listen"] == f"unix://{tmp_path}/materializer.sock"
     assert gw["--decoder"] == dec["--listen"]
-    assert dec["--model"] == "/m" and dec["--engine"] == "reference"
+    assert dec["--model"] == "/m" and dec["--engine"] == "fake"
     assert all(s.env["OMNI_DEPLOYMENT"] == "d1" for s in svcs.values())
     sync = service_commands(StackConfig(deployment="d1", sync=True), tmp_path)
     assert [s.name for s in sync] == ["decoder", "gateway"]

@@ -1,4 +1,9 @@
-"""Deterministic reference AR backend: a test double where the engine goes.
+"""The fake engine: a deterministic test double where the model goes (not a model).
+
+`--engine fake` serves it: the unit, pipeline and stack tests and the quick
+benchmarks use it because it starts in a second and its outputs are exact.
+It has two parts: :class:`FakeBackend` for the AR stages and
+:class:`FakeVocoder` (a sine table) for code2wav.
 
 As a talker it behaves like one under continuous batching: requests join at
 any step (a prefill step with one hidden row per prompt token), then decode
@@ -19,9 +24,11 @@ from __future__ import annotations
 import threading
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from decoder_svc.backend import RequestSpec, StepOutput
+from decoder_svc.code2wav import SAMPLE_RATE_HZ, SAMPLES_PER_FRAME
 from omni_serving.v1 import snapshot_pb2
 
 PER_REQUEST = snapshot_pb2.TENSOR_LAYOUT_PER_REQUEST
@@ -59,10 +66,10 @@ def frames_for(prompt_ids: list[int], max_tokens: int) -> int:
     return min(n, max_tokens) if max_tokens > 0 else n
 
 
-class ReferenceBackend:
+class FakeBackend:
     """Deterministic stand-in for the vLLM talker (and a benchmark engine)."""
 
-    name = "reference"
+    name = "fake"
 
     def __init__(
         self,
@@ -201,3 +208,97 @@ class ReferenceBackend:
         with self._lock:
             self._waiting.clear()
             self._running.clear()
+
+
+# -- the fake vocoder (sine table) -------------------------------------------------
+
+_TABLE_BITS = 12
+_TABLE = np.round(np.sin(2 * np.pi * np.arange(1 << _TABLE_BITS) / (1 << _TABLE_BITS)) * 32767).astype(np.int64)
+VOICES: tuple[str, ...] = ("default", "alloy", "echo", "fable", "onyx", "nova", "shimmer")
+
+
+class FakeVocoder:
+    """Deterministic integer vocoder: codes [T, Q] -> int16-valued samples."""
+
+    def __init__(self, num_codebooks: int = 16, codec_vocab: int = 2048, overlap: int = 240) -> None:
+        self.num_codebooks = num_codebooks
+        self.codec_vocab = codec_vocab
+        self.overlap = overlap
+        c = np.arange(codec_vocab, dtype=np.int64)
+        q = np.arange(num_codebooks, dtype=np.int64)[:, None]
+        # phase increment per sample (table units << 8) and amplitude per (codebook, code)
+        self._step = ((c[None, :] * 7 + q * 131) % 997 + 20 + q * 40) << 8  # [Q, V]
+        self._amp = ((c[None, :] * 13 + q * 17) % 64 + 16) // (q + 1)  # [Q, V]
+
+    def _voice_offset(self, voice: str) -> int:
+        return (VOICES.index(voice) if voice in VOICES else 0) * 37
+
+    def _synth(self, codes: np.ndarray, first_frame: int, voice_offset: int, length: int) -> np.ndarray:
+        """Raw sum of sinusoids for each frame over `length` samples: [T, length]."""
+        t = (np.arange(codes.shape[0], dtype=np.int64)[:, None] + first_frame) * SAMPLES_PER_FRAME
+        t = t + np.arange(length, dtype=np.int64)[None, :]  # global sample index
+        acc = np.zeros((codes.shape[0], length), dtype=np.int64)
+        for q in range(self.num_codebooks):
+            step = self._step[q, codes[:, q]][:, None] + (voice_offset << 8)
+            amp = self._amp[q, codes[:, q]][:, None]
+            acc += amp * _TABLE[((step * t) >> 8) & ((1 << _TABLE_BITS) - 1)]
+        return acc >> 10
+
+    def decode(self, codes: np.ndarray, first_frame: int, voice: str = "default") -> np.ndarray:
+        """Decode frames [first_frame, first_frame + T) -> float32 [T * 1920].
+
+        Frame k's first `overlap` samples crossfade from frame k-1's sound,
+        so frame k depends on frames k-1 and k: the caller passes at least one
+        frame of left context (or starts at frame 0).
+        """
+        codes = np.asarray(codes, dtype=np.int64).reshape(-1, self.num_codebooks) % self.codec_vocab
+        voice_offset = self._voice_offset(voice)
+        cur = self._synth(codes, first_frame, voice_offset, SAMPLES_PER_FRAME)
+        ov = self.overlap
+        if codes.shape[0] > 1:
+            # previous frame's sinusoids continued into this frame's first samples
+            prev = self._synth(codes[:-1], first_frame + 1, voice_offset, ov)
+            # synthesize with the previous frame's codes at this frame's times
+            fade = np.arange(ov, dtype=np.int64)[None, :]
+            cur[1:, :ov] = (cur[1:, :ov] * fade + prev * (ov - fade)) // ov
+        out = np.clip(cur, -32768, 32767).reshape(-1)
+        return (out.astype(np.float32) / np.float32(32768.0)).astype(np.float32)
+
+
+class FakeVocoderStream:
+    """One request's audio from the fake vocoder: frames in, samples out.
+
+    Each push re-decodes up to ``left_context`` earlier frames (inside the
+    vocoder's receptive field, so chunked audio equals whole-sequence audio).
+    """
+
+    def __init__(self, vocoder: FakeVocoder, voice: str, left_context: int) -> None:
+        self.vocoder = vocoder
+        self.voice = voice
+        self.left_context = left_context
+        self.frames = np.zeros((0, vocoder.num_codebooks), dtype=np.int64)
+
+    def push(self, codes: np.ndarray) -> np.ndarray:
+        start = self.frames.shape[0]
+        self.frames = np.concatenate([self.frames, np.asarray(codes, dtype=np.int64).reshape(-1, self.frames.shape[1])])
+        ctx_start = max(0, start - self.left_context)
+        audio = self.vocoder.decode(self.frames[ctx_start:], ctx_start, self.voice)
+        return audio[(start - ctx_start) * SAMPLES_PER_FRAME :]
+
+
+class FakeVocoderFactory:
+    """The fake vocoder behind the streaming-vocoder interface the
+    generation stage uses: ``new_stream(voice)``, ``voices``, ``sample_rate``,
+    ``num_codebooks``, ``codebook_size``."""
+
+    sample_rate = SAMPLE_RATE_HZ
+    voices = VOICES
+
+    def __init__(self, num_codebooks: int = 16, codec_vocab: int = 2048, left_context: int = 25) -> None:
+        self.vocoder = FakeVocoder(num_codebooks=num_codebooks, codec_vocab=codec_vocab)
+        self.num_codebooks = num_codebooks
+        self.codebook_size = codec_vocab
+        self.left_context = left_context
+
+    def new_stream(self, voice: str) -> FakeVocoderStream:
+        return FakeVocoderStream(self.vocoder, voice, self.left_context)
