@@ -9,7 +9,6 @@ file symlinked where the case does not touch it).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import os
 import shutil
@@ -28,6 +27,7 @@ from decoder_svc.qwen3_omni.checkpoint import (
     OmniCheckpoint,
     required_tensors,
 )
+from tests.fs_helpers import tree_snapshot
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
@@ -110,15 +110,7 @@ def _variant(src: Path, dst: Path, *, config=None, remove: tuple[str, ...] = ())
     return dst
 
 
-def _snapshot(root: Path) -> dict[str, tuple]:
-    """Every entry under root (the root included): type, mode, size, mtime, content hash."""
-    out = {}
-    for path in [root, *sorted(root.rglob("*"))]:
-        st = path.lstat()
-        digest = hashlib.sha256(path.read_bytes()).hexdigest() if stat.S_ISREG(st.st_mode) else ""
-        out[str(path.relative_to(root))] = (stat.S_IFMT(st.st_mode), stat.S_IMODE(st.st_mode),
-                                            st.st_size, st.st_mtime_ns, digest)
-    return out
+_snapshot = tree_snapshot
 
 
 # Writes seen by an audit hook while a directory is watched (root bypasses chmod, so

@@ -12,6 +12,7 @@ import pytest
 
 from omni_cli.launcher import Stack, StackConfig
 from omni_serving.v1 import common_pb2, decoder_pb2, decoder_pb2_grpc, gateway_pb2, gateway_pb2_grpc
+from tests.fs_helpers import tree_snapshot
 from tests.speech_helpers import check_chunks, digest, speak_chunks
 
 pytest.importorskip("vllm")
@@ -72,6 +73,7 @@ def embed(stack: Stack, text: str) -> decoder_pb2.GenerateResponse:
 
 
 def test_tts_async_equals_sync_and_speak_cli_writes_wav(tmp_path_factory, tmp_path, checkpoint):
+    before = tree_snapshot(checkpoint)
     stack = start(tmp_path_factory, checkpoint, "tts", sync=False)
     try:
         got_async = speak_all(stack)
@@ -98,6 +100,39 @@ def test_tts_async_equals_sync_and_speak_cli_writes_wav(tmp_path_factory, tmp_pa
     finally:
         assert stack.stop() == []
     assert got_async == got_sync, f"async and sync audio differ: {got_async=}, {got_sync=}"
+    assert tree_snapshot(checkpoint) == before, "serving changed the model directory"
+
+
+def test_decoder_refuses_a_bad_checkpoint_before_serving(tmp_path, checkpoint):
+    """Wrong architecture / missing tensor: exit status != 0, the file and key named."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "bad"
+    shutil.copytree(checkpoint, bad)
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["architectures"] = ["LlamaForCausalLM"]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    sock = f"unix://{tmp_path}/d.sock"
+    run = subprocess.run([sys.executable, "-m", "decoder_svc", "--model", str(bad), "--listen", sock,
+                          "--deployment", "badckpt"], capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0
+    assert "config.json" in run.stderr and "architectures" in run.stderr, run.stderr[-2000:]
+
+    cfg["architectures"] = ["Qwen3OmniMoeForConditionalGeneration"]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    tensors = load_file(str(bad / "model.safetensors"))
+    del tensors["talker.codec_head.weight"]
+    save_file(tensors, str(bad / "model.safetensors"))
+    index = json.loads((bad / "model.safetensors.index.json").read_text())
+    del index["weight_map"]["talker.codec_head.weight"]
+    (bad / "model.safetensors.index.json").write_text(json.dumps(index))
+    run = subprocess.run([sys.executable, "-m", "decoder_svc", "--model", str(bad), "--listen", sock,
+                          "--deployment", "badckpt"], capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0
+    assert "talker.codec_head.weight" in run.stderr and "missing" in run.stderr, run.stderr[-2000:]
 
 
 def test_omni_text_and_audio_async_equals_sync(tmp_path_factory, checkpoint):
