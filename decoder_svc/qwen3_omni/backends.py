@@ -225,6 +225,7 @@ class TalkerBackend(VLLMBackend):
         runner = rh.get_model_runner(self.engine)
         self._model = runner.model
         self._model.bind_runner(runner)
+        self._thinker_embed_table()
 
     def _load_tokenizer(self):
         return None
@@ -237,42 +238,40 @@ class TalkerBackend(VLLMBackend):
         return sid
 
     def _thinker_embed_table(self) -> torch.Tensor:
+        """The thinker's input embeddings, in the checkpoint's dtype (rows are
+        converted to float32 when looked up); loaded once, at startup."""
         if self._embed_table is None:
-            self._embed_table = self.checkpoint.tensors("thinker.model.embed_tokens.weight")[
-                "thinker.model.embed_tokens.weight"
-            ].to(torch.float32)
+            name = "thinker.model.embed_tokens.weight"
+            self._embed_table = self.checkpoint.tensors(name)[name]
         return self._embed_table
 
     def _prompt(self, spec: RequestSpec) -> dict[str, Any]:
         model = self._model
         cond = spec.conditioning or {}
         prompt_ids = list(spec.prompt_token_ids)
-        table = self._thinker_embed_table() if "thinker_embed" not in cond else None
-        if "thinker_embed" in cond:  # Generate: the thinker's reply and its rows
+        table = self._thinker_embed_table()  # the tts_* ids' embeddings, and Speak's text
+
+        def embed(ids: torch.Tensor) -> torch.Tensor:
+            return torch.nn.functional.embedding(ids, table).to(torch.float32)
+
+        if THINKER_EMBED in cond:  # Generate: the thinker's reply and its rows
             reply = [int(t) for t in cond["thinker_token_ids"].reshape(-1).tolist()]
-            embed = cond["thinker_embed"]
-            hidden = cond.get("thinker_hidden")
-        else:  # Speak: the text as the assistant's reply
+            rows, hidden = cond[THINKER_EMBED], cond.get(THINKER_HIDDEN)
+        else:  # Speak: the text as the assistant's reply; no thinker ran
             reply = list(spec.reply_token_ids)
-            seq = torch.tensor(prompt_ids + reply[:-1], dtype=torch.long)
-            embed = torch.nn.functional.embedding(seq, table)
-            hidden = None
-        emb_fn = (lambda ids: torch.nn.functional.embedding(ids, table)) if table is not None else None
-        if emb_fn is None:
-            full = self._thinker_embed_table()
-            emb_fn = lambda ids: torch.nn.functional.embedding(ids, full)  # noqa: E731
+            rows, hidden = embed(torch.tensor(prompt_ids + reply[:-1], dtype=torch.long)), None
         with torch.inference_mode():
             tp = build_talker_prompt(
                 self.ids,
                 prompt_ids,
                 reply,
-                embed,
+                rows,
                 hidden,
                 speaker_id=self.speaker_id(spec.voice),
                 text_projection=model.text_projection,
                 hidden_projection=model.hidden_projection,
                 codec_embedding=model.embed_input_ids,
-                thinker_token_embed=emb_fn,
+                thinker_token_embed=embed,
                 end_ids=self.end_ids,
             )
         greedy = spec.temperature <= 0
