@@ -1,0 +1,117 @@
+"""Load and soak on the real stack (vLLM engine, tiny Qwen3-Omni checkpoint).
+
+- 64 concurrent Speak streams for a while: zero errors, zero sequence gaps.
+- Many decode steps: the decoder's RSS after warm-up grows by at most 5%.
+
+Shortened by default (and in CI); the full runs (60 s of load, 10,000 decode
+steps) with ``OMNI_SOAK_FULL=1``::
+
+    OMNI_SOAK_FULL=1 .venv/bin/python -m pytest -m soak
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+
+import grpc
+import psutil
+import pytest
+
+from omni_cli.launcher import Stack, StackConfig
+from omni_serving.v1 import common_pb2, decoder_pb2, decoder_pb2_grpc, gateway_pb2, gateway_pb2_grpc
+
+pytest.importorskip("vllm")
+pytestmark = [pytest.mark.soak, pytest.mark.vllm, pytest.mark.e2e]
+
+FULL = os.environ.get("OMNI_SOAK_FULL") == "1"
+LOAD_SECONDS = 60.0 if FULL else 12.0
+RSS_STEPS = 10_000 if FULL else 1_500
+WORDS = "the quick brown fox jumps over the lazy dog and speaks a little more".split()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    from decoder_svc.qwen3_omni.tiny import create_tiny_checkpoint
+
+    ckpt = create_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "qwen3-omni-tiny")
+    s = Stack(StackConfig(engine="vllm", profile="tts", model=str(ckpt), port=0, http_port=0,
+                          runtime_dir=str(tmp_path_factory.mktemp("rt")), log_level="WARNING"))
+    s.start(timeout_s=300)
+    yield s
+    assert s.stop() == []
+
+
+def _speak(target: str, text: str, seed: int, frames: int) -> tuple[int, list[int]]:
+    with grpc.insecure_channel(target) as ch:
+        stub = gateway_pb2_grpc.OmniGatewayServiceStub(ch)
+        req = gateway_pb2.SpeakRequest(text=text, sampling_params=common_pb2.SamplingParams(
+            seed=seed, temperature=0.8, max_tokens=frames))
+        chunks = list(stub.Speak(req, timeout=300))
+    return sum(len(c.audio) for c in chunks), [c.sequence_number for c in chunks]
+
+
+def _decoder_steps(stack: Stack) -> int:
+    with grpc.insecure_channel(stack.decoder_target) as ch:
+        info = decoder_pb2_grpc.DecoderServiceStub(ch).GetDecoderInfo(decoder_pb2.GetDecoderInfoRequest(), timeout=30)
+    return sum(s.steps for s in info.stages if s.kind == decoder_pb2.STAGE_KIND_AR)
+
+
+def _decoder_process(stack: Stack) -> psutil.Process:
+    (svc,) = [s for s in stack.services if s.name == "decoder"]
+    return psutil.Process(svc.proc.pid)
+
+
+def _load(target: str, clients: int, until, frames: int) -> tuple[int, list[str]]:
+    """`clients` closed-loop Speak clients until until() is true: (requests done, errors)."""
+    done = [0]
+    errors: list[str] = []
+    lock = threading.Lock()
+
+    def client(k: int) -> None:
+        i = 0
+        while not until() and not errors:
+            text = " ".join(WORDS[(k + i) % len(WORDS):][:6]) or "hello"
+            try:
+                nbytes, seqs = _speak(target, text, seed=k * 1000 + i, frames=frames)
+                if seqs != list(range(len(seqs))) or nbytes == 0:
+                    with lock:
+                        errors.append(f"client {k} request {i}: sequence numbers {seqs}, {nbytes} bytes")
+            except grpc.RpcError as exc:
+                with lock:
+                    errors.append(f"client {k} request {i}: {exc.code().name}: {exc.details()}")
+            with lock:
+                done[0] += 1
+            i += 1
+
+    threads = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=600)
+    return done[0], errors
+
+
+def test_64_concurrent_speak_streams_without_errors_or_gaps(stack):
+    end = time.monotonic() + LOAD_SECONDS
+    done, errors = _load(stack.gateway_target, 64, lambda: time.monotonic() > end, frames=16)
+    assert not errors, errors[:5]
+    assert done >= 64, f"only {done} requests finished in {LOAD_SECONDS:.0f} s"
+
+
+def test_decoder_rss_growth_after_warmup_is_bounded(stack):
+    proc = _decoder_process(stack)
+    start = _decoder_steps(stack)
+    warm = start + RSS_STEPS // 3
+    _load(stack.gateway_target, 16, lambda: _decoder_steps(stack) >= warm, frames=32)
+    rss_warm = proc.memory_info().rss
+    target = _decoder_steps(stack) + RSS_STEPS
+    done, errors = _load(stack.gateway_target, 16, lambda: _decoder_steps(stack) >= target, frames=32)
+    rss_end = proc.memory_info().rss
+    assert not errors, errors[:5]
+    growth = rss_end / rss_warm - 1
+    assert growth <= 0.05, (
+        f"decoder RSS grew {growth:.1%} over {RSS_STEPS} steps after warm-up "
+        f"({rss_warm / 2**20:.0f} -> {rss_end / 2**20:.0f} MiB, {done} requests)"
+    )
