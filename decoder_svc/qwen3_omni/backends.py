@@ -121,7 +121,13 @@ class ThinkerBackend(VLLMBackend):
 
     def _engine_kwargs(self) -> dict[str, Any]:
         prepare_vllm()
-        return {"limit_mm_per_prompt": {"audio": 0, "image": 0, "video": 0}}
+        kwargs: dict[str, Any] = {"limit_mm_per_prompt": {"audio": 0, "image": 0, "video": 0}}
+        if self.capture_talker_inputs:
+            # Every prompt row goes to the talker: a prompt is prefilled in one
+            # step (a chunked prefill's partial rows sample nothing and are
+            # dropped with their row).
+            kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=self._max_model_len)
+        return kwargs
 
     def _after_engine(self) -> None:
         if self.capture_talker_inputs:
