@@ -23,9 +23,9 @@ from omni_cli.launcher import Stack, StackConfig
 from omni_serving.v1 import common_pb2, decoder_pb2, decoder_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 
 pytest.importorskip("vllm")
-pytestmark = [pytest.mark.soak, pytest.mark.vllm, pytest.mark.e2e]
-
 FULL = os.environ.get("OMNI_SOAK_FULL") == "1"
+pytestmark = [pytest.mark.soak, pytest.mark.vllm, pytest.mark.e2e, pytest.mark.timeout(2400 if FULL else 600)]
+
 LOAD_SECONDS = 60.0 if FULL else 12.0
 RSS_STEPS = 10_000 if FULL else 1_500
 WORDS = "the quick brown fox jumps over the lazy dog and speaks a little more".split()
