@@ -6,7 +6,9 @@ from prometheus_client import Counter, Gauge, Histogram
 
 # 10 us .. 1 s: the step gap of an async stage is tens of microseconds; an
 # inline build can take milliseconds.
-_GAP_BUCKETS = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0)
+_GAP_BUCKETS = (
+    1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 1.0,
+)
 
 STEP_GAP = Histogram(
     "omni_decoder_step_gap_seconds",
@@ -15,13 +17,40 @@ STEP_GAP = Histogram(
     buckets=_GAP_BUCKETS,
 )
 STEP_TIME = Histogram(
-    "omni_decoder_step_seconds", "Time of one decode step (forward + sample)", ["stage"], buckets=_GAP_BUCKETS
+    "omni_decoder_step_seconds", "Time of one decode step (forward + sample)", ["stage"],
+    buckets=_GAP_BUCKETS,
 )
 STEPS = Counter("omni_decoder_steps_total", "Decode steps run", ["stage", "path"])
-MATERIALIZER_LAG = Gauge("omni_decoder_materializer_lag_steps", "Steps sent to the materializer and not yet answered")
+MATERIALIZER_LAG = Gauge(
+    "omni_decoder_materializer_lag_steps", "Steps sent to the materializer and not yet answered"
+)
 SLOTS_IN_USE = Gauge("omni_decoder_arena_slots_in_use", "Shared-memory arena slots held")
 FALLBACK_STEPS = Counter(
-    "omni_decoder_fallback_steps_total", "Steps built in-process because the materializer could not", ["reason"]
+    "omni_decoder_fallback_steps_total",
+    "Steps built in-process because the materializer could not",
+    ["reason"],
+)
+MATERIALIZER_SWITCHES = Counter(
+    "omni_decoder_materializer_switches_total",
+    "Switches between the materializer stream (to_remote) and in-process building "
+    "(to_in_process), by reason",
+    ["direction", "reason"],
+)
+MATERIALIZER_MODE = Gauge(
+    "omni_decoder_materializer_mode",
+    "Where step payloads are built now: 1 for the current mode (remote or in_process)",
+    ["mode"],
+)
+INTERNAL_ERRORS = Counter(
+    "omni_decoder_internal_errors_total",
+    "Exceptions caught on a decoder thread (the affected requests failed, the thread kept "
+    "serving), by thread",
+    ["where"],
 )
 REQUESTS = Counter("omni_decoder_requests_total", "Requests that ended, by outcome", ["outcome"])
 ACTIVE_REQUESTS = Gauge("omni_decoder_active_requests", "Requests running")
+
+
+def set_mode(remote: bool) -> None:
+    MATERIALIZER_MODE.labels("remote").set(1 if remote else 0)
+    MATERIALIZER_MODE.labels("in_process").set(0 if remote else 1)

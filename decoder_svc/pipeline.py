@@ -5,6 +5,12 @@ Threads:
   - the materializer link's dispatcher/receiver (or in-process builder);
   - one code2wav worker (generation stage).
 Request outputs go to per-request sinks (the gRPC Generate streams).
+
+No thread dies of an exception: a failure ends the affected requests with an
+error (a short message, no internals: the log has the traceback), frees
+their arena slots, and the thread goes on serving. A decode step never waits
+for an arena slot longer than `acquire_timeout_s`: without one the step is
+built in-process.
 """
 
 from __future__ import annotations
@@ -30,9 +36,14 @@ from decoder_svc.guards import GuardDecision, evaluate, log_decision
 from decoder_svc.materializer_link import MaterializerLink
 from decoder_svc.profile import Profile, StageConfig
 from decoder_svc.snapshot import SnapshotMeta, meta_of, step_tensors, take_snapshot
-from omni_common.errors import AlreadyExistsError, InvalidArgumentError, OmniError
+from omni_common.errors import (
+    AlreadyExistsError,
+    InvalidArgumentError,
+    OmniError,
+    ResourceExhaustedError,
+)
 from omni_common.materialize import build_step, payload_tensors, sources_of
-from omni_common.shm_arena import ShmArena
+from omni_common.shm_arena import ShmArena, SlotLease
 from omni_common.tensor_wire import encode_inline
 from omni_serving.v1 import common_pb2, decoder_pb2, materializer_pb2, payload_pb2
 
@@ -68,6 +79,29 @@ class RequestContext:
         )
 
 
+class _LeaseWatch:
+    """The arena as `take_snapshot` uses it, remembering the slot it handed
+    out (a snapshot that fails half-way must not keep its slot) and how long
+    the step waited for it (the link judges the materializer by that)."""
+
+    def __init__(self, arena: ShmArena) -> None:
+        self.arena = arena
+        self.slot_bytes = arena.slot_bytes
+        self.lease: SlotLease | None = None
+        self.waited_s = 0.0
+
+    def acquire(self, timeout: float | None) -> SlotLease:
+        t0 = time.perf_counter()
+        try:
+            self.lease = self.arena.acquire(timeout)
+        finally:
+            self.waited_s = time.perf_counter() - t0
+        return self.lease
+
+    def release(self, slot: int, generation: int) -> bool:
+        return self.arena.release(slot, generation)
+
+
 class StageRunner:
     """The decode loop of one AR stage.
 
@@ -77,6 +111,11 @@ class StageRunner:
          a SnapshotMeta to the link (a queue put) -- sync path: build the
          payloads here and deliver them;
       3) loop: the next step launches at once.
+
+    Step 2 waits at most `acquire_timeout_s` for a free slot (all held: the
+    materializer lags); then, and for the following steps until a slot is
+    free again, the step's tensors are copied out and the link builds it
+    in-process, after the steps before it.
     """
 
     def __init__(
@@ -91,8 +130,11 @@ class StageRunner:
         downstream: Callable[[list[str]], list[str]],
         on_failure: Callable[[BaseException], None],
         inline_transport: bool = False,
+        acquire_timeout_s: float = 0.5,
     ) -> None:
         self.config = config
+        self.acquire_timeout_s = acquire_timeout_s
+        self._starved = False  # the last step found no slot: do not wait for one
         self.on_failure = on_failure
         self.backend = backend
         self.decision = decision
@@ -111,6 +153,7 @@ class StageRunner:
         self._thread = threading.Thread(target=self._loop, name=f"stage-{config.name}", daemon=True)
         self._step_ids = itertools.count(1)
         self._staging: CudaStaging | None = None  # created at the first CUDA step
+        self._leases = _LeaseWatch(arena) if arena is not None else None
         self._m_gap = metrics.STEP_GAP.labels(config.name)
         self._m_step = metrics.STEP_TIME.labels(config.name)
         self._m_steps = metrics.STEPS.labels(config.name, "async" if decision.use_async else "sync")
@@ -132,10 +175,15 @@ class StageRunner:
 
     def _loop(self) -> None:
         while True:
-            with self._wake:
-                self._wake.wait_for(lambda: self._stop or self.backend.has_unfinished())
-                if self._stop:
-                    return
+            try:
+                with self._wake:
+                    self._wake.wait_for(lambda: self._stop or self.backend.has_unfinished())
+                    if self._stop:
+                        return
+            except Exception as exc:  # noqa: BLE001 -- the stage keeps serving
+                self._failed(exc)
+                time.sleep(0.05)  # a backend that keeps failing must not spin
+                continue
             t0 = time.perf_counter()
             try:
                 # 1) forward + sample + eager postprocess
@@ -147,8 +195,7 @@ class StageRunner:
                 # 2) hand the step's outputs off (or build them, on the sync path)
                 self._emit(out)
             except Exception as exc:  # noqa: BLE001 -- nothing partial goes out: the requests in flight fail loudly, the stage keeps serving
-                logger.exception("stage %s: decode step failed; failing the requests in flight", self.config.name)
-                self.on_failure(exc)
+                self._failed(exc)
                 continue
             t_launch = time.perf_counter()
             self.step_times_s.append(t_sampled - t0)
@@ -156,6 +203,15 @@ class StageRunner:
             self._m_gap.observe(t_launch - t_sampled)
             self._m_step.observe(t_sampled - t0)
             self._m_steps.inc()
+
+    def _failed(self, exc: BaseException) -> None:
+        metrics.INTERNAL_ERRORS.labels("stage").inc()
+        logger.error("stage %s: decode step failed; failing the requests in flight",
+                     self.config.name, exc_info=exc)
+        try:
+            self.on_failure(exc)
+        except Exception:  # noqa: BLE001 -- the stage keeps serving
+            logger.exception("stage %s: failing the requests in flight failed", self.config.name)
 
     def _emit(self, out: StepOutput) -> None:
         meta = meta_of(
@@ -168,9 +224,34 @@ class StageRunner:
         tensors = step_tensors(out, self.sources)
         if self.decision.use_async and self.link is not None:
             arena = None if self.inline_transport else self.arena
-            if arena is not None and self._staging is None and any(t.is_cuda for t, _ in tensors.values()):
+            if arena is None or self._leases is None:
+                self.link.submit(take_snapshot(meta, tensors, None))
+                return
+            if self._staging is None and any(t.is_cuda for t, _ in tensors.values()):
                 self._staging = CudaStaging(arena)
-            self.link.submit(take_snapshot(meta, tensors, arena, staging=self._staging))
+            leases = self._leases
+            leases.lease = None
+            leases.waited_s = 0.0
+            timeout = 0.0 if self._starved else self.acquire_timeout_s
+            try:
+                snap = take_snapshot(meta, tensors, leases, timeout, staging=self._staging)
+            except ResourceExhaustedError:
+                self.link.note_slot_wait(leases.waited_s)
+                # No slot within the bound (or the step outgrew it): copy the
+                # tensors out; the link builds the step in-process, in order.
+                self._starved = self._starved or leases.lease is None
+                meta.handles = {}
+                self.link.submit(take_snapshot(meta, tensors, None), build_local=True)
+                return
+            except BaseException:
+                if leases.lease is not None and meta.lease is None:
+                    arena.release(leases.lease.slot, leases.lease.generation)
+                raise
+            if leases.lease is not None:
+                self._starved = False
+            if leases.waited_s > 1e-3:
+                self.link.note_slot_wait(leases.waited_s)
+            self.link.submit(snap)
             return
         # synchronous path: build here, from the step's own tensors
         self.deliver(build_step(meta.view_over(tensors), self.plan), meta)
@@ -179,9 +260,17 @@ class StageRunner:
 class Code2WavWorker:
     """The generation stage: codec frames -> audio chunks, per request."""
 
-    def __init__(self, config: StageConfig, emit: Callable[[str, np.ndarray, bool, str], None], *, vocoder):
+    def __init__(
+        self,
+        config: StageConfig,
+        emit: Callable[[str, np.ndarray, bool, str], None],
+        *,
+        vocoder,
+        on_error: Callable[[str, BaseException], None] | None = None,
+    ):
         self.config = config
         self.emit = emit
+        self.on_error = on_error
         self.vocoder = vocoder
         self.num_codebooks = int(vocoder.num_codebooks)
         self.codebook_size = int(vocoder.codebook_size)
@@ -223,21 +312,34 @@ class Code2WavWorker:
             if kind == "abort":
                 self._states.pop(rid, None)
                 continue
-            st = self._state(rid, voice)
-            final = kind == "finish"
-            if not final:
-                codes = np.asarray(value).reshape(-1, self.num_codebooks)
-                # an end-of-speech row (codebook 0 outside the codebook) is no frame
-                st.add(codes[codes[:, 0] < self.codebook_size])
-            chunks = st.ready_chunks(final)
-            for i, (start, end) in enumerate(chunks):
-                last = final and i == len(chunks) - 1
-                self.chunks += 1
-                self.emit(rid, st.decode(start, end), last, value if last else "")
-            if final:
-                if not chunks:
-                    self.emit(rid, np.zeros(0, dtype=np.float32), True, value)
+            try:
+                self._handle(kind, rid, voice, value)
+            except Exception as exc:  # noqa: BLE001 -- fail this request, keep serving the others
                 self._states.pop(rid, None)
+                metrics.INTERNAL_ERRORS.labels("code2wav").inc()
+                logger.error("code2wav failed for request %s; failing it", rid, exc_info=exc)
+                if self.on_error is not None:
+                    try:
+                        self.on_error(rid, exc)
+                    except Exception:  # noqa: BLE001 -- the worker keeps serving
+                        logger.exception("failing request %s failed", rid)
+
+    def _handle(self, kind: str, rid: str, voice: str, value) -> None:
+        st = self._state(rid, voice)
+        final = kind == "finish"
+        if not final:
+            codes = np.asarray(value).reshape(-1, self.num_codebooks)
+            # an end-of-speech row (codebook 0 outside the codebook) is no frame
+            st.add(codes[codes[:, 0] < self.codebook_size])
+        chunks = st.ready_chunks(final)
+        for i, (start, end) in enumerate(chunks):
+            last = final and i == len(chunks) - 1
+            self.chunks += 1
+            self.emit(rid, st.decode(start, end), last, value if last else "")
+        if final:
+            if not chunks:
+                self.emit(rid, np.zeros(0, dtype=np.float32), True, value)
+            self._states.pop(rid, None)
 
 
 class Pipeline:
@@ -255,7 +357,8 @@ class Pipeline:
         inline_transport: bool = False,
         in_process_builder: bool = False,
         readiness_timeout_ms: int = 5000,
-        stall_timeout_s: float = 10.0,
+        stall_timeout_s: float = 3.0,
+        acquire_timeout_s: float = 0.5,
         vocoder=None,
         prepare: Callable[[RequestSpec], RequestSpec] | None = None,
     ) -> None:
@@ -263,7 +366,10 @@ class Pipeline:
         ``voices``, ``sample_rate``, ``num_codebooks``, ``codebook_size``);
         default: the fake engine's vocoder (a test double). prepare: turns a request into what
         the first stage takes (e.g. a chat prompt, tokenized), or raises
-        InvalidArgumentError."""
+        InvalidArgumentError. stall_timeout_s: the materializer is dropped
+        (and retried in the background) when it leaves steps unanswered this
+        long, or keeps decode steps waiting for slots more than half of it.
+        acquire_timeout_s: the longest a decode step waits for an arena slot."""
         self.profile = profile
         self.backends = backends
         self.arena = arena
@@ -303,6 +409,7 @@ class Pipeline:
                 plans=async_plans,
                 arena=arena,
                 deliver=self._deliver,
+                fail_step=self._fail_step,
                 readiness_timeout_ms=readiness_timeout_ms,
                 stall_timeout_s=stall_timeout_s,
             )
@@ -320,6 +427,7 @@ class Pipeline:
                 downstream=self._downstream,
                 on_failure=self._fail_all,
                 inline_transport=inline_transport,
+                acquire_timeout_s=acquire_timeout_s,
             )
             for s in self.ar_configs
         }
@@ -336,7 +444,9 @@ class Pipeline:
         self.voices: tuple[str, ...] = tuple(vocoder.voices)
         self.sample_rate = int(vocoder.sample_rate)
         self._prepare = prepare
-        self.code2wav = Code2WavWorker(self.gen_config, self._emit_audio, vocoder=vocoder)
+        self.code2wav = Code2WavWorker(
+            self.gen_config, self._emit_audio, vocoder=vocoder, on_error=self._fail_audio
+        )
 
     # kept for callers that think in one AR stage
     @property
@@ -364,13 +474,19 @@ class Pipeline:
             runner.start()
 
     def stop(self) -> None:
+        """Stop the stages, deliver what they produced (bounded: a dead
+        materializer costs no wait), stop code2wav and the engines, and end the
+        requests still running with finish reason "shutdown"."""
         for runner in self.runners.values():
             runner.stop()
         if self.link is not None:
             self.link.close()
         self.code2wav.stop()
         for backend in self.backends.values():
-            backend.close()
+            try:
+                backend.close()
+            except Exception:  # noqa: BLE001 -- stop the others
+                logger.exception("closing an engine backend failed")
         with self._lock:
             contexts = list(self._requests.values())
             self._requests.clear()
@@ -412,17 +528,43 @@ class Pipeline:
     def _fail_all(self, exc: BaseException) -> None:
         """A decode step failed: end every running request with an error."""
         with self._lock:
-            contexts = list(self._requests.values())
-            self._requests.clear()
-            self._text_only = frozenset()
-        error = OmniError(f"decode step failed: {type(exc).__name__}: {exc}")
+            request_ids = list(self._requests)
+        self._fail_requests(request_ids, OmniError("decode step failed; the request was ended"))
+
+    def _fail_step(self, meta: SnapshotMeta, exc: BaseException) -> None:
+        """The link could not build or deliver a step: end its requests."""
+        self._fail_requests(
+            meta.request_ids, OmniError("building the outputs of a decode step failed; "
+                                        "the request was ended"))
+
+    def _fail_audio(self, request_id: str, exc: BaseException) -> None:
+        """code2wav failed for a request: end it."""
+        self._fail_requests([request_id],
+                            OmniError("audio generation failed; the request was ended"))
+
+    def _fail_requests(self, request_ids: list[str], error: OmniError) -> None:
+        """End these requests (those still running) with `error` and free them
+        everywhere. The error's message is what the client sees: short, no
+        internals (the log has the cause)."""
+        with self._lock:
+            popped = [self._requests.pop(rid, None) for rid in request_ids]
+            contexts = [c for c in popped if c is not None]
+            if contexts:
+                self._text_only = self._text_only - {c.spec.request_id for c in contexts}
         for ctx in contexts:
             ctx.done = True
+            rid = ctx.spec.request_id
             for s in self.ar_configs:
-                self.backends[s.name].abort(ctx.spec.request_id)
-            self.code2wav.abort(ctx.spec.request_id)
+                try:
+                    self.backends[s.name].abort(rid)
+                except Exception:  # noqa: BLE001 -- the request is ended either way
+                    logger.exception("stage %s: aborting request %s failed", s.name, rid)
+            self.code2wav.abort(rid)
             metrics.REQUESTS.labels("failed").inc()
-            self._send(ctx, error)
+            try:
+                self._send(ctx, error)
+            except Exception:  # noqa: BLE001 -- a broken sink must not stop the others
+                logger.exception("request %s: sending its error failed", rid)
 
     @property
     def active_requests(self) -> int:

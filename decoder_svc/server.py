@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 from pathlib import Path
@@ -20,6 +21,9 @@ from omni_serving.v1 import decoder_pb2, decoder_pb2_grpc
 
 logger = logging.getLogger("decoder_svc")
 SERVICE_NAME = decoder_pb2.DESCRIPTOR.services_by_name["DecoderService"].full_name
+# At shutdown, how long running requests may go on before their streams end
+# with UNAVAILABLE.
+DRAIN_S = 2.0
 
 
 def shm_prefix_for(deployment: str) -> str:
@@ -108,9 +112,22 @@ def main(argv: list[str] | None = None) -> None:
 
         def register(server: grpc.aio.Server) -> None:
             decoder_pb2_grpc.add_DecoderServiceServicer_to_server(servicer, server)
+            # At shutdown (SIGTERM/SIGINT) the server's grace period would keep
+            # Generate streams open until it ran out and then cancel them
+            # without a word. Instead: running requests get DRAIN_S to finish,
+            # the rest end with UNAVAILABLE ("shutting down"), then the server stops.
+            stop = server.stop
+
+            async def drain_then_stop(grace: float | None) -> None:
+                await servicer.drain(min(DRAIN_S, grace or 0.0))
+                await stop(grace)
+
+            server.stop = drain_then_stop  # type: ignore[method-assign]
 
         async def on_shutdown() -> None:
-            pipeline.stop()
+            # Blocking joins (bounded: a few seconds at most, even with the
+            # materializer dead): off the event loop.
+            await asyncio.to_thread(pipeline.stop)
 
         run_server(
             ServerConfig(address=args.listen, service_name=SERVICE_NAME, reflection_service_names=[SERVICE_NAME]),

@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator
 import grpc
 
 from decoder_svc.backend import RequestSpec
-from decoder_svc.pipeline import Pipeline
-from omni_common.errors import InvalidArgumentError, OmniError, grpc_code_for
+from decoder_svc.pipeline import Pipeline, Sink
+from omni_common.errors import InvalidArgumentError, OmniError, UnavailableError, grpc_code_for
 from omni_common.modality import OutputModality
 from omni_common.tensor_wire import encode_inline
 from omni_serving.v1 import common_pb2, decoder_pb2, decoder_pb2_grpc
@@ -58,6 +58,22 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         self.pipeline = pipeline
         self.engine = engine
         self.materializer_target = materializer_target
+        # Generate streams in progress: request id -> its sink (ends the stream)
+        self._streams: dict[str, Sink] = {}
+        self._closing = False
+
+    async def drain(self, timeout_s: float) -> None:
+        """Shutdown: refuse new requests, let the running ones finish for up
+        to `timeout_s`, then end the rest with UNAVAILABLE."""
+        self._closing = True
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while self._streams and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        if self._streams:
+            logger.info("ending %d request stream(s) at shutdown", len(self._streams))
+        for sink in list(self._streams.values()):
+            sink(UnavailableError("the decoder is shutting down; the request was not finished"))
 
     async def Generate(
         self, request: decoder_pb2.GenerateRequest, context: grpc.aio.ServicerContext
@@ -71,6 +87,8 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
                     request_id=spec.request_id, pooling_output=encode_inline(vector), finished=True, finish_reason="stop"
                 )
                 return
+            if self._closing:
+                raise UnavailableError("the decoder is shutting down")
             loop = asyncio.get_running_loop()
             outputs: asyncio.Queue[decoder_pb2.GenerateResponse | OmniError] = asyncio.Queue()
 
@@ -83,17 +101,19 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             await context.abort(grpc_code_for(exc), str(exc))
             return
         finished = False
+        self._streams[spec.request_id] = sink
         try:
             while not finished:
                 resp = await outputs.get()
-                if isinstance(resp, OmniError):  # the pipeline ended the request with an error
-                    finished = True
+                if isinstance(resp, OmniError):  # the request ended with an error
+                    # (`finished` stays False: the pipeline frees it, if it still runs)
                     await context.abort(grpc_code_for(resp), str(resp))
                     return
                 finished = resp.finished
                 yield resp
         finally:
-            if not finished:  # the client went away: free the request
+            self._streams.pop(spec.request_id, None)
+            if not finished:  # the client went away, or the stream ended early: free the request
                 self.pipeline.abort(spec.request_id)
 
     async def Abort(self, request: decoder_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> decoder_pb2.AbortResponse:

@@ -140,13 +140,16 @@ class ServerThread:
 
 def test_slow_materializer_backpressure_not_unbounded(tmp_path):
     """Steps keep launching while the materializer lags, until every slot is
-    held; then the step waits (bounded memory); nothing is lost."""
+    held; then the step waits (bounded memory); nothing is lost. (A long
+    stall_timeout_s: by default a materializer that keeps decode steps
+    waiting for slots most of the time is dropped, see test_link_faults.py.)"""
     sync, _ = run_batch("tts", materializer_target=None, arena=None)
     slots = 4
     with ServerThread(f"unix://{tmp_path}/m.sock", SlowFakeMaterializer(MaterializerConfig(shm_prefix="omni-pipetest"))) as srv, \
             ShmArena("omni-pipetest", slots, 1 << 20) as arena:
         profile = load_profile("tts")
-        pipeline = Pipeline(profile, backends(profile), materializer_target=srv.target, shm_prefix="omni-pipetest", arena=arena)
+        pipeline = Pipeline(profile, backends(profile), materializer_target=srv.target,
+                            shm_prefix="omni-pipetest", arena=arena, stall_timeout_s=30.0)
         pipeline.start()
         col = Collector()
         for i in range(8):
