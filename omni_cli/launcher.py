@@ -4,11 +4,18 @@
 - Each service runs in its own session (process group), so a terminal's
   Ctrl-C reaches only the launcher, and everything a service started (vLLM
   workers, pool workers, their children) can be found and stopped with it.
+- Before starting, what dead stacks left on this host is swept, whatever
+  their deployment name: arenas whose owner is gone (omni_common.shm_arena)
+  and runtime directories whose launcher and services are gone (each holds a
+  locked `owner` record).
 - The launcher waits for each service's grpc health (generously: the vLLM
-  engine creates its tiny models on first run), prints the endpoints, and on
-  Ctrl-C/SIGTERM stops the three in reverse order (gateway first), waits for
-  them, stops whatever they left behind, and checks that no shared-memory
-  segment of the deployment is left.
+  engine creates its tiny models on first run), prints the endpoints, then
+  supervises: a service that exits on its own is restarted with a doubling
+  delay, and one that keeps failing stops the stack (`Stack.supervise`).
+- On Ctrl-C/SIGTERM it stops the three in reverse order (gateway first)
+  within one stop timeout, stops whatever they left behind, and checks that
+  no shared-memory segment of the deployment is left. A killed launcher
+  takes its services with it (parent-death signal).
 - `service_commands` is the single description of what each service runs;
   docker/compose.yaml runs the same command lines (tests/test_compose.py
   checks that they agree).
@@ -24,17 +31,22 @@ import argparse
 import contextlib
 import ctypes
 import dataclasses
+import fcntl
 import itertools
+import json
 import os
 import shutil
 import signal
 import socket
+import ssl
+import stat
 import subprocess
 import sys
 import tempfile
 import threading
 import time
 import tomllib
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -84,14 +96,28 @@ class StackConfig:
     sync: bool = False  # no materializer: payloads built in-process
     log_level: str = "INFO"
     startup_timeout: float = 300.0  # per service; vLLM's first run creates its models
-    stop_timeout: float = 30.0  # per service, then SIGKILL
+    stop_timeout: float = 30.0  # the whole stack, then SIGKILL
+    # Supervision: a service that exits on its own is restarted after a delay
+    # that doubles from restart_backoff up to restart_backoff_max; one that
+    # fails more than max_restarts times in a row (without staying up for
+    # restart_reset seconds in between) stops the stack. 0 = no restarts.
+    max_restarts: int = 5
+    restart_backoff: float = 0.5
+    restart_backoff_max: float = 10.0
+    restart_reset: float = 30.0
+    # Passed to the gateway as they are (empty = not passed).
+    tls_cert: str = ""
+    tls_key: str = ""
+    auth_token_file: str = ""
     extra_decoder_args: list[str] = field(default_factory=list)
 
     def validate(self) -> None:
         if self.engine not in ENGINES:
             raise ConfigError(f"engine: {self.engine!r} is not one of {', '.join(ENGINES)}")
         if self.log_level.upper() not in LOG_LEVELS:
-            raise ConfigError(f"log_level: {self.log_level!r} is not one of {', '.join(LOG_LEVELS)}")
+            raise ConfigError(
+                f"log_level: {self.log_level!r} is not one of {', '.join(LOG_LEVELS)}"
+            )
         for key in ("port", "http_port"):
             value = getattr(self, key)
             if not 0 <= value <= 65535:
@@ -100,9 +126,20 @@ class StackConfig:
             value = getattr(self, key)
             if not -1 <= value <= 65535:
                 raise ConfigError(f"{key}: {value} is not a port (0 = any free port, -1 = off)")
-        for key in ("startup_timeout", "stop_timeout"):
+        for key in ("startup_timeout", "stop_timeout", "restart_backoff", "restart_reset"):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"{key}: must be > 0 seconds, got {getattr(self, key)}")
+        if self.restart_backoff_max < self.restart_backoff:
+            raise ConfigError(
+                f"restart_backoff_max: {self.restart_backoff_max} is below "
+                f"restart_backoff ({self.restart_backoff})"
+            )
+        if self.max_restarts < 0:
+            raise ConfigError(
+                f"max_restarts: must be >= 0 (0 = no restarts), got {self.max_restarts}"
+            )
+        if bool(self.tls_cert) != bool(self.tls_key):
+            raise ConfigError("tls_cert and tls_key: give both or neither")
         for key in ("profile", "materializer_impl", "host", "metrics_host"):
             if not getattr(self, key):
                 raise ConfigError(f"{key}: must not be empty")
@@ -128,24 +165,84 @@ class UpOption:
 
 UP_OPTIONS: tuple[UpOption, ...] = (
     UpOption("profile", str, "deploy profile: tts, omni or a profile YAML path"),
-    UpOption("engine", str, "AR engine: vllm (a tiny checkpoint created on first run unless --model) "
-             "or fake (a deterministic test double, not a model; starts in a second)", ENGINES),
-    UpOption("materializer_impl", str, "materializer implementation (python -m materializer_svc --list)"),
-    UpOption("model", str, "Qwen3-Omni checkpoint directory, only read (vllm engine); "
-             "empty = the tiny checkpoint in the decoder's model cache", metavar="DIR"),
+    UpOption(
+        "engine",
+        str,
+        "AR engine: vllm (a tiny checkpoint created on first run unless --model) "
+        "or fake (a deterministic test double, not a model; starts in a second)",
+        ENGINES,
+    ),
+    UpOption(
+        "materializer_impl", str, "materializer implementation (python -m materializer_svc --list)"
+    ),
+    UpOption(
+        "model",
+        str,
+        "Qwen3-Omni checkpoint directory, only read (vllm engine); "
+        "empty = the tiny checkpoint in the decoder's model cache",
+        metavar="DIR",
+    ),
     UpOption("host", str, "gateway bind address (gRPC and HTTP)"),
     UpOption("port", int, "gateway gRPC port (0 = any free port)"),
-    UpOption("http_port", int, "gateway HTTP port: OpenAI-compatible speech and /metrics (0 = any free port)"),
+    UpOption(
+        "http_port",
+        int,
+        "gateway HTTP port: OpenAI-compatible speech and /metrics (0 = any free port)",
+    ),
     UpOption("metrics_host", str, "bind address of the decoder's and materializer's /metrics"),
     UpOption("decoder_metrics_port", int, "decoder /metrics port (0 = any free port, -1 = off)"),
-    UpOption("materializer_metrics_port", int, "materializer /metrics port (0 = any free port, -1 = off)"),
-    UpOption("deployment", str, "deployment name; shared memory is /dev/shm/omni-<deployment>-* "
-             "(empty = unique per launch)"),
+    UpOption(
+        "materializer_metrics_port", int, "materializer /metrics port (0 = any free port, -1 = off)"
+    ),
+    UpOption(
+        "deployment",
+        str,
+        "deployment name; shared memory is /dev/shm/omni-<deployment>-* "
+        "(empty = unique per launch)",
+    ),
     UpOption("runtime_dir", str, "socket directory, made private (0700) (empty = a new temp dir)"),
     UpOption("sync", bool, "no materializer: build payloads in the decode step"),
     UpOption("log_level", str, f"log level of the three services: {', '.join(LOG_LEVELS)}"),
     UpOption("startup_timeout", float, "seconds each service may take to become healthy"),
-    UpOption("stop_timeout", float, "seconds each service may take to stop before it is killed"),
+    UpOption(
+        "stop_timeout",
+        float,
+        "seconds the stack may take to stop (gateway, decoder, "
+        "materializer in turn) before what is left is killed",
+    ),
+    UpOption(
+        "max_restarts",
+        int,
+        "restarts in a row of a service that keeps failing before `up` "
+        "gives up and stops (0 = a crash stops the stack)",
+        metavar="N",
+    ),
+    UpOption(
+        "restart_backoff",
+        float,
+        "seconds before the first restart of a crashed service; doubles with each failure in a row",
+        metavar="S",
+    ),
+    UpOption("restart_backoff_max", float, "longest delay before a restart", metavar="S"),
+    UpOption(
+        "restart_reset",
+        float,
+        "seconds a restarted service must stay up for its failures to be forgotten",
+        metavar="S",
+    ),
+    UpOption(
+        "tls_cert",
+        str,
+        "gateway: TLS certificate (PEM), passed as --tls-cert; with --tls-key",
+        metavar="FILE",
+    ),
+    UpOption("tls_key", str, "gateway: TLS private key (PEM), passed as --tls-key", metavar="FILE"),
+    UpOption(
+        "auth_token_file",
+        str,
+        "gateway: file holding the bearer token clients must send, passed as --auth-token-file",
+        metavar="FILE",
+    ),
 )
 _OPTIONS_BY_KEY = {opt.key: opt for opt in UP_OPTIONS}
 
@@ -166,22 +263,42 @@ def default_value(key: str) -> Any:
 def add_up_arguments(parser: argparse.ArgumentParser) -> None:
     """The `up` options. Defaults are applied by config_from_args, so an option
     given on the command line can be told apart from one left out."""
-    parser.add_argument("--config", metavar="FILE", default=None,
-                        help="TOML (.toml) or YAML (.yaml/.yml) file with the same keys as these options "
-                             "(materializer-impl or materializer_impl, ...); command-line options win")
+    parser.add_argument(
+        "--config",
+        metavar="FILE",
+        default=None,
+        help="TOML (.toml) or YAML (.yaml/.yml) file with the same keys as these options "
+        "(materializer-impl or materializer_impl, ...); command-line options win",
+    )
     for opt in UP_OPTIONS:
         default = default_value(opt.key)
         help_text = f"{opt.help} (default: {default!r})"
         if opt.type is bool:
-            parser.add_argument(opt.flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
-                                help=help_text)
+            parser.add_argument(
+                opt.flag,
+                action=argparse.BooleanOptionalAction,
+                default=argparse.SUPPRESS,
+                help=help_text,
+            )
         else:
-            parser.add_argument(opt.flag, type=opt.type, choices=opt.choices, default=argparse.SUPPRESS,
-                                metavar=None if opt.choices else (opt.metavar or opt.key.upper().rsplit("_", 1)[-1]),
-                                help=help_text)
+            parser.add_argument(
+                opt.flag,
+                type=opt.type,
+                choices=opt.choices,
+                default=argparse.SUPPRESS,
+                metavar=None
+                if opt.choices
+                else (opt.metavar or opt.key.upper().rsplit("_", 1)[-1]),
+                help=help_text,
+            )
     for old, new in DEPRECATED_KEYS.items():  # hidden from --help
-        parser.add_argument("--" + old.replace("_", "-"), dest=f"deprecated_{old}",
-                            type=_OPTIONS_BY_KEY[new].type, default=argparse.SUPPRESS, help=argparse.SUPPRESS)
+        parser.add_argument(
+            "--" + old.replace("_", "-"),
+            dest=f"deprecated_{old}",
+            type=_OPTIONS_BY_KEY[new].type,
+            default=argparse.SUPPRESS,
+            help=argparse.SUPPRESS,
+        )
 
 
 def _deprecated(old: str, source: str | None = None) -> None:
@@ -190,7 +307,9 @@ def _deprecated(old: str, source: str | None = None) -> None:
     if source is None:
         what = f"--{old.replace('_', '-')} is deprecated; use --{new.replace('_', '-')}"
     else:
-        what = f"{source}: key {old.replace('_', '-')!r} is deprecated; use {new.replace('_', '-')!r}"
+        what = (
+            f"{source}: key {old.replace('_', '-')!r} is deprecated; use {new.replace('_', '-')!r}"
+        )
     print(f"omni-serving up: warning: {what}", file=sys.stderr)
 
 
@@ -208,7 +327,9 @@ def _coerce(key: str, value: Any, source: str) -> Any:
     if not ok:
         raise ConfigError(f"{source}: key {key!r} must be a {opt.type.__name__}, got {value!r}")
     if opt.choices and value not in opt.choices:
-        raise ConfigError(f"{source}: key {key!r} must be one of {', '.join(opt.choices)}, got {value!r}")
+        raise ConfigError(
+            f"{source}: key {key!r} must be one of {', '.join(opt.choices)}, got {value!r}"
+        )
     return value
 
 
@@ -227,13 +348,17 @@ def load_config_file(path: str | Path) -> dict[str, Any]:
         elif suffix in (".yaml", ".yml"):
             data = yaml.safe_load(text)
         else:
-            raise ConfigError(f"config file {path}: unknown format {suffix!r}; use .toml, .yaml or .yml")
+            raise ConfigError(
+                f"config file {path}: unknown format {suffix!r}; use .toml, .yaml or .yml"
+            )
     except (tomllib.TOMLDecodeError, yaml.YAMLError) as exc:
         raise ConfigError(f"config file {path}: not valid {suffix[1:].upper()}: {exc}") from exc
     if data is None:
         return {}
     if not isinstance(data, dict):
-        raise ConfigError(f"config file {path}: expected a mapping of options, got {type(data).__name__}")
+        raise ConfigError(
+            f"config file {path}: expected a mapping of options, got {type(data).__name__}"
+        )
     values: dict[str, Any] = {}
     for raw_key, value in data.items():
         key = str(raw_key).replace("-", "_")
@@ -278,6 +403,18 @@ class ServiceProcess:
     env: dict[str, str] = field(default_factory=dict)  # set on top of the launcher's environment
     metrics_url: str = ""
     proc: subprocess.Popen | None = None
+    # Supervision (Stack.poll): starting | running | backoff | failed | stopped
+    state: str = "stopped"
+    failures: int = 0  # exits in a row, without staying up for restart_reset in between
+    restarts: int = 0
+    started_at: float = 0.0  # time.monotonic() of the current process's start
+    healthy_at: float = 0.0  # ... and of its first healthy answer
+    start_deadline: float = 0.0
+    next_start: float = 0.0  # end of the backoff
+    # Process groups of earlier incarnations: {pgid: time.time() when its leader
+    # was seen gone}. Only processes older than that are its members: once the
+    # group is empty the number may be reused by an unrelated process.
+    dead_groups: dict[int, float] = field(default_factory=dict)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -310,7 +447,9 @@ def _metrics_url(host: str, port: int, path: str = "/metrics") -> str:
     return f"http://{dial_host(host)}:{port}{path}" if port > 0 else ""
 
 
-def service_commands(cfg: StackConfig, runtime: Path | str, python: str | None = None) -> list[ServiceProcess]:
+def service_commands(
+    cfg: StackConfig, runtime: Path | str, python: str | None = None
+) -> list[ServiceProcess]:
     """The services' command lines in start order (materializer, decoder, gateway).
 
     docker/compose.yaml runs the same command lines, with `python` for
@@ -322,15 +461,34 @@ def service_commands(cfg: StackConfig, runtime: Path | str, python: str | None =
     common = ["--deployment", cfg.deployment, "--log-level", cfg.log_level]
     materializer = ServiceProcess(
         "materializer",
-        [py, "-m", "materializer_svc", "--listen", mat_sock, "--impl", cfg.materializer_impl, *common,
-         *_metrics_args(cfg.materializer_metrics_port, cfg.metrics_host)],
+        [
+            py,
+            "-m",
+            "materializer_svc",
+            "--listen",
+            mat_sock,
+            "--impl",
+            cfg.materializer_impl,
+            *common,
+            *_metrics_args(cfg.materializer_metrics_port, cfg.metrics_host),
+        ],
         mat_sock,
         service_environment(cfg, "materializer"),
         _metrics_url(cfg.metrics_host, cfg.materializer_metrics_port),
     )
-    decoder_args = [py, "-m", "decoder_svc", "--listen", dec_sock, "--profile", cfg.profile,
-                    "--engine", cfg.engine, *common,
-                    *_metrics_args(cfg.decoder_metrics_port, cfg.metrics_host)]
+    decoder_args = [
+        py,
+        "-m",
+        "decoder_svc",
+        "--listen",
+        dec_sock,
+        "--profile",
+        cfg.profile,
+        "--engine",
+        cfg.engine,
+        *common,
+        *_metrics_args(cfg.decoder_metrics_port, cfg.metrics_host),
+    ]
     if not cfg.sync:
         decoder_args += ["--materializer", mat_sock]
     if cfg.model:
@@ -342,10 +500,29 @@ def service_commands(cfg: StackConfig, runtime: Path | str, python: str | None =
         service_environment(cfg, "decoder"),
         _metrics_url(cfg.metrics_host, cfg.decoder_metrics_port),
     )
+    gateway_args = [
+        py,
+        "-m",
+        "gateway",
+        "--listen",
+        f"{cfg.host}:{cfg.port}",
+        "--decoder",
+        dec_sock,
+        "--http-port",
+        str(cfg.http_port),
+        "--log-level",
+        cfg.log_level,
+    ]
+    for flag, value in (
+        ("--tls-cert", cfg.tls_cert),
+        ("--tls-key", cfg.tls_key),
+        ("--auth-token-file", cfg.auth_token_file),
+    ):
+        if value:
+            gateway_args += [flag, value]
     gateway = ServiceProcess(
         "gateway",
-        [py, "-m", "gateway", "--listen", f"{cfg.host}:{cfg.port}", "--decoder", dec_sock,
-         "--http-port", str(cfg.http_port), "--log-level", cfg.log_level],
+        gateway_args,
         f"{dial_host(cfg.host)}:{cfg.port}",
         service_environment(cfg, "gateway"),
         _metrics_url(cfg.host, cfg.http_port),
@@ -355,17 +532,59 @@ def service_commands(cfg: StackConfig, runtime: Path | str, python: str | None =
 
 # -- processes ------------------------------------------------------------------------
 
+_PR_SET_PDEATHSIG = 1
+_PR_SET_CHILD_SUBREAPER = 36
+
+
+def _load_libc() -> Any:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        return ctypes.CDLL(None, use_errno=True)
+    except OSError:
+        return None
+
+
+_LIBC = _load_libc()
+
 
 def become_subreaper() -> bool:
     """Linux: orphaned descendants are re-parented to us instead of init, so
     nothing a service started can slip away unseen. Best effort."""
-    if not sys.platform.startswith("linux"):
-        return False
     try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER
-    except (OSError, AttributeError):
+        return _LIBC is not None and _LIBC.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
+    except AttributeError:
         return False
+
+
+def _die_with_launcher(launcher_pid: int) -> Callable[[], None] | None:
+    """A `preexec_fn` (Linux): the service gets SIGTERM when the launcher dies,
+    SIGKILL included, so a killed launcher leaves no stack running on its own.
+
+    The kernel sends it when the *thread* that started the service ends: a
+    Stack is driven from one long-lived thread (run_up: the main thread).
+    """
+    prctl = getattr(_LIBC, "prctl", None)
+    if prctl is None:
+        return None
+    sigterm = int(signal.SIGTERM)
+
+    def preexec() -> None:  # runs in the child between fork and exec: keep it minimal
+        prctl(_PR_SET_PDEATHSIG, sigterm, 0, 0, 0)
+        if os.getppid() != launcher_pid:  # the launcher died before prctl
+            os.kill(os.getpid(), sigterm)
+
+    return preexec
+
+
+def describe_exit(code: int) -> str:
+    """`exited with code 3`, `was killed by SIGKILL`."""
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
 
 
 def list_segments(prefix: str) -> list[str]:
@@ -374,10 +593,17 @@ def list_segments(prefix: str) -> list[str]:
     return shm_arena.list_segments(prefix)
 
 
-def sweep_stale(prefix: str) -> list[str]:
+def sweep_stale(prefix: str, creating_grace_s: float | None = None) -> list[str]:
     from omni_common import shm_arena
 
-    return shm_arena.sweep_stale(prefix)
+    return shm_arena.sweep_stale(prefix, creating_grace_s)
+
+
+def sweep_orphaned_segments() -> list[str]:
+    """Arena segments of any deployment on this host whose owner is gone."""
+    from omni_common import shm_arena
+
+    return shm_arena.sweep_orphans()
 
 
 def _alive(proc: psutil.Process) -> bool:
@@ -402,25 +628,190 @@ def _signal_group(pgid: int, sig: int) -> None:
         os.killpg(pgid, sig)
 
 
+def _members(groups: dict[int, float | None]) -> list[psutil.Process]:
+    """Live processes in the given process groups. A group given with a time
+    (its leader gone then) counts only processes that started before it."""
+    members = []
+    for p in psutil.process_iter():
+        with contextlib.suppress(OSError, psutil.Error):
+            pgid = os.getpgid(p.pid)
+            if pgid not in groups or not _alive(p):
+                continue
+            gone = groups[pgid]
+            if gone is None or p.create_time() <= gone:
+                members.append(p)
+    return members
+
+
+def _tls_answers(host: str, port: int, timeout_s: float) -> str | None:
+    """None when a TLS handshake with host:port succeeds, else what went wrong.
+
+    The gateway's readiness check when it serves TLS: its certificate need not
+    name this host, and its health service may want the token.
+    """
+    ctx = ssl.create_default_context()
+    ctx.check_hostname = False
+    ctx.verify_mode = ssl.CERT_NONE
+    ctx.set_alpn_protocols(["h2"])
+    try:
+        with (
+            socket.create_connection((host.strip("[]"), port), timeout_s) as raw,
+            ctx.wrap_socket(raw, server_hostname=host.strip("[]")),
+        ):
+            return None
+    except (OSError, ssl.SSLError) as exc:
+        return f"no TLS handshake: {exc}"
+
+
+# -- runtime directories -------------------------------------------------------------------
+
+RUNTIME_DIR_PREFIX = "omni-serving-"
+OWNER_FILE = "owner"  # in a runtime directory: who uses it; locked while they live
+_OWNER_GRACE_S = 60.0  # an owner file without a record this old is debris
+
+
+def runtime_parents() -> list[Path]:
+    """Where `up` creates its runtime directories, first choice first (and sweeps them)."""
+    parents = []
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg and os.path.isdir(xdg) and os.access(xdg, os.W_OK):
+        parents.append(Path(xdg))
+    tmp = Path(tempfile.gettempdir())
+    if tmp not in parents:
+        parents.append(tmp)
+    return parents
+
+
 def _private_dir(path: Path) -> None:
     path.mkdir(mode=0o700, parents=True, exist_ok=True)
     st = path.stat()
     if st.st_uid != os.getuid():
-        raise ConfigError(f"runtime_dir: {path} belongs to uid {st.st_uid}, not to us ({os.getuid()})")
+        raise ConfigError(
+            f"runtime_dir: {path} belongs to uid {st.st_uid}, not to us ({os.getuid()})"
+        )
     os.chmod(path, 0o700)
 
 
 def _new_runtime_dir() -> Path:
-    parent = os.environ.get("XDG_RUNTIME_DIR") or None
-    if parent and not (os.path.isdir(parent) and os.access(parent, os.W_OK)):
-        parent = None
-    return Path(tempfile.mkdtemp(prefix="omni-serving-", dir=parent))  # mkdtemp: mode 0700
+    # mkdtemp: mode 0700
+    return Path(tempfile.mkdtemp(prefix=RUNTIME_DIR_PREFIX, dir=runtime_parents()[0]))
+
+
+def _read_record(fd: int) -> dict[str, Any] | None:
+    try:
+        record = json.loads(os.pread(fd, 4096, 0) or b"null")
+    except ValueError:
+        return None
+    return record if isinstance(record, dict) and isinstance(record.get("pid"), int) else None
+
+
+class RuntimeDirLock:
+    """A launcher's claim on its runtime directory.
+
+    `owner` in the directory records the launcher (pid, process start time,
+    deployment, whether it created the directory) and is flock-ed for as long
+    as the launcher *or any service it started* lives: the services inherit
+    the locked descriptor. The kernel drops the lock when the last of them
+    exits, however it exits, so a later `up` can tell a live directory from
+    one left by a killed launcher (sweep_runtime_dirs).
+    """
+
+    def __init__(self, directory: Path, *, created: bool, deployment: str) -> None:
+        self.path = directory / OWNER_FILE
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            deadline = time.monotonic() + 1.0  # a sweeper holds it for a moment at most
+            while True:
+                try:
+                    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    break
+                except BlockingIOError:
+                    if time.monotonic() > deadline:
+                        other = _read_record(fd) or {}
+                        raise ConfigError(
+                            f"runtime_dir: {directory} is in use by another `omni-serving up` "
+                            f"(pid {other.get('pid', '?')}, "
+                            f"deployment {other.get('deployment', '?')})"
+                        ) from None
+                    time.sleep(0.05)
+            me = psutil.Process()
+            record = {
+                "pid": me.pid,
+                "start_time": me.create_time(),
+                "deployment": deployment,
+                "created": created,
+            }
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (json.dumps(record) + "\n").encode(), 0)
+        except BaseException:
+            os.close(fd)
+            raise
+        self.fd = fd
+
+    def release(self, *, unlink: bool) -> None:
+        if self.fd < 0:
+            return
+        if unlink:
+            self.path.unlink(missing_ok=True)
+        os.close(self.fd)
+        self.fd = -1
+
+
+def _stale_runtime_dir(directory: Path) -> str | None:
+    """Why `directory` (an `up` runtime directory) is debris, or None to leave it."""
+    try:
+        fd = os.open(directory / OWNER_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None  # no record: an older launcher's, or one being set up now
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            return None  # its launcher or one of its services is alive
+        record = _read_record(fd)
+        if record is None:
+            age = time.time() - os.fstat(fd).st_mtime
+            return "unreadable owner record" if age > _OWNER_GRACE_S else None
+        if not record.get("created"):
+            return None  # a directory the user named: never removed
+        return f"launcher pid {record['pid']} and its services are gone"
+    finally:
+        os.close(fd)
+
+
+def sweep_runtime_dirs() -> list[str]:
+    """Remove runtime directories (ours, `omni-serving-*` in runtime_parents())
+    whose launcher and services are gone; return their paths."""
+    removed = []
+    for parent in runtime_parents():
+        for directory in sorted(parent.glob(RUNTIME_DIR_PREFIX + "*")):
+            try:
+                st = os.lstat(directory)
+            except OSError:
+                continue
+            if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.getuid():
+                continue
+            if _stale_runtime_dir(directory) is not None:
+                shutil.rmtree(directory, ignore_errors=True)
+                if not directory.exists():
+                    removed.append(str(directory))
+    return removed
+
+
+# -- the stack -----------------------------------------------------------------------------
 
 
 class Stack:
-    """A running stack; use as a context manager or call start()/stop()."""
+    """A running stack; use as a context manager or call start()/stop().
 
-    def __init__(self, cfg: StackConfig, *, subreaper: bool = False) -> None:
+    After start(), supervise() (or poll() in a loop of the caller's own)
+    restarts services that exit on their own; see StackConfig for the policy.
+    Drive a Stack from one long-lived thread (see _die_with_launcher).
+    """
+
+    def __init__(
+        self, cfg: StackConfig, *, subreaper: bool = False, log: Callable[[str], None] | None = None
+    ) -> None:
         cfg = dataclasses.replace(cfg, extra_decoder_args=list(cfg.extra_decoder_args))
         cfg.validate()
         if not cfg.deployment:  # unique per stack: up<pid>, up<pid>-2, ...
@@ -436,19 +827,34 @@ class Stack:
             cfg.materializer_metrics_port = free_port(dial_host(cfg.metrics_host))
         self.cfg = cfg
         self.subreaper = subreaper
+        self._log = log or _log_stderr
+        self._lock: RuntimeDirLock | None = None
         self._own_runtime = not cfg.runtime_dir
         if cfg.runtime_dir:
             self.runtime = Path(cfg.runtime_dir).absolute()
             _private_dir(self.runtime)
         else:
             self.runtime = _new_runtime_dir()
-        longest = max(len(os.fsencode(str(self.runtime / n))) for n in ("decoder.sock", "materializer.sock"))
+        longest = max(
+            len(os.fsencode(str(self.runtime / n))) for n in ("decoder.sock", "materializer.sock")
+        )
         if longest > _MAX_UDS_PATH_BYTES:
             self._remove_runtime()
-            raise ConfigError(f"runtime_dir: {self.runtime} is too long for a Unix socket path "
-                              f"({longest} > {_MAX_UDS_PATH_BYTES} bytes)")
+            raise ConfigError(
+                f"runtime_dir: {self.runtime} is too long for a Unix socket path "
+                f"({longest} > {_MAX_UDS_PATH_BYTES} bytes)"
+            )
+        try:
+            self._lock = RuntimeDirLock(
+                self.runtime, created=self._own_runtime, deployment=cfg.deployment
+            )
+        except BaseException:
+            if self._own_runtime:
+                self._remove_runtime()
+            raise
         self.services = service_commands(cfg, self.runtime)
         self.killed: list[str] = []  # processes that had to be stopped after their service exited
+        self.swept: list[str] = []  # stale segments and runtime directories removed at start
         self._stopped = False
 
     # -- addresses
@@ -482,33 +888,71 @@ class Stack:
             ("gateway gRPC", self.gateway_target),
             ("gateway HTTP", f"{self.http_url}/v1/audio/speech"),
         ]
-        rows += [(f"{s.name} metrics", s.metrics_url) for s in reversed(self.services) if s.metrics_url]
+        rows += [
+            (f"{s.name} metrics", s.metrics_url) for s in reversed(self.services) if s.metrics_url
+        ]
         rows += [(s.name, s.target) for s in self.services if s.name != "gateway"]
         rows.append(("runtime dir", str(self.runtime)))
         return rows
 
     # -- lifecycle
     def start(self, timeout_s: float | None = None, abort: threading.Event | None = None) -> None:
-        """Start the services in order, each once the previous one is healthy.
+        """Sweep what dead stacks left, then start the services in order, each
+        once the previous one is healthy.
 
         Raises StackError when one exits or stays unhealthy past timeout_s
         (default cfg.startup_timeout), StartAborted when `abort` is set;
         either way everything started so far is stopped first.
         """
         timeout = self.cfg.startup_timeout if timeout_s is None else timeout_s
-        sweep_stale(self.shm_prefix)
+        segments = sweep_orphaned_segments()
+        dirs = sweep_runtime_dirs()
+        self.swept = segments + dirs
+        if segments:
+            self._log(
+                f"removed {len(segments)} shared-memory segment(s) of dead processes: "
+                f"{', '.join(segments)}"
+            )
+        if dirs:
+            self._log(f"removed {len(dirs)} runtime dir(s) of dead launchers: {', '.join(dirs)}")
         tmp = self.runtime / "tmp"  # the services' temp files go away with the stack
         tmp.mkdir(mode=0o700, exist_ok=True)
         try:
             for svc in self.services:
-                env = {**os.environ, **svc.env, "TMPDIR": str(tmp)}
-                svc.proc = subprocess.Popen(svc.argv, env=env, start_new_session=True)
+                self._spawn(svc)
                 self._wait_healthy(svc, timeout, abort)
+                svc.state = "running"
+                svc.healthy_at = time.monotonic()
         except BaseException:
             self.stop()
             raise
 
-    def _wait_healthy(self, svc: ServiceProcess, timeout_s: float, abort: threading.Event | None) -> None:
+    def _spawn(self, svc: ServiceProcess) -> None:
+        env = {**os.environ, **svc.env, "TMPDIR": str(self.runtime / "tmp")}
+        svc.proc = subprocess.Popen(
+            svc.argv,
+            env=env,
+            start_new_session=True,
+            pass_fds=(self._lock.fd,) if self._lock is not None else (),
+            preexec_fn=_die_with_launcher(os.getpid()),
+        )
+        svc.started_at = time.monotonic()
+        svc.start_deadline = svc.started_at + self.cfg.startup_timeout
+        svc.state = "starting"
+
+    def _check_health(self, svc: ServiceProcess, timeout_s: float) -> str | None:
+        """None when `svc` answers as ready within timeout_s, else the last problem seen."""
+        if svc.name == "gateway" and self.cfg.tls_cert:
+            return _tls_answers(dial_host(self.cfg.host), self.cfg.port, timeout_s)
+        try:
+            wait_for_health_sync(svc.target, timeout_s)
+        except UnavailableError as exc:
+            return str(exc)
+        return None
+
+    def _wait_healthy(
+        self, svc: ServiceProcess, timeout_s: float, abort: threading.Event | None
+    ) -> None:
         assert svc.proc is not None
         deadline = time.monotonic() + timeout_s
         last = "no answer yet"
@@ -517,16 +961,122 @@ class Stack:
                 raise StartAborted(f"stop requested while {svc.name} was starting")
             code = svc.proc.poll()
             if code is not None:
-                raise StackError(f"{svc.name} exited with code {code} while starting (command: {' '.join(svc.argv)})")
+                raise StackError(
+                    f"{svc.name} {describe_exit(code)} while starting "
+                    f"(command: {' '.join(svc.argv)})"
+                )
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise StackError(f"{svc.name} not healthy at {svc.target} after {timeout_s:g}s ({last})")
-            try:
-                wait_for_health_sync(svc.target, min(remaining, 1.0))
+                raise StackError(
+                    f"{svc.name} not healthy at {svc.target} after {timeout_s:g}s ({last})"
+                )
+            problem = self._check_health(svc, min(remaining, 1.0))
+            if problem is None:
                 return
-            except UnavailableError as exc:
-                last = str(exc)
+            last = problem
+            if svc.name == "gateway" and self.cfg.tls_cert:
+                time.sleep(0.1)
 
+    # -- supervision
+    def supervise(self, stop: threading.Event, poll_s: float = 0.2) -> str | None:
+        """Watch the services until `stop` is set, restarting those that exit on
+        their own. Returns None once `stop` is set, or why it gave up (a service
+        failed too often in a row, or restarts are off); the caller then stops
+        the stack."""
+        while not stop.wait(poll_s):
+            problem = self.poll()
+            if problem is not None:
+                return problem
+            self.reap_orphans()
+        return None
+
+    def poll(self) -> str | None:
+        """One round of supervision: notice exits, restart after the backoff,
+        mark restarted services running once healthy. Returns why it gives up, or None."""
+        for svc in self.services:
+            problem = self._poll_service(svc)
+            if problem is not None:
+                return problem
+        return None
+
+    def _poll_service(self, svc: ServiceProcess) -> str | None:
+        now = time.monotonic()
+        if svc.state == "backoff":
+            if now >= svc.next_start:
+                self._restart(svc)
+            return None
+        if svc.state not in ("running", "starting") or svc.proc is None:
+            return None
+        code = svc.proc.poll()
+        if svc.state == "running":
+            if code is None:
+                if svc.failures and now - svc.healthy_at >= self.cfg.restart_reset:
+                    svc.failures = 0  # it has stayed up: its next crash starts a new count
+                return None
+            return self._crashed(svc, describe_exit(code), now)
+        # starting (a restart): healthy yet?
+        if code is not None:
+            return self._crashed(svc, f"{describe_exit(code)} while starting", now)
+        if self._check_health(svc, 0.2) is None:
+            svc.state = "running"
+            svc.healthy_at = time.monotonic()
+            self._log(
+                f"{svc.name} is serving again (pid {svc.proc.pid}, healthy "
+                f"{svc.healthy_at - svc.started_at:.1f}s after its start)"
+            )
+            return None
+        if now > svc.start_deadline:
+            _signal_group(svc.proc.pid, signal.SIGKILL)  # not reaped yet: the group is its own
+            svc.proc.wait()
+            return self._crashed(svc, f"was not healthy within {self.cfg.startup_timeout:g}s", now)
+        return None
+
+    def _crashed(self, svc: ServiceProcess, what: str, now: float) -> str | None:
+        """`svc` exited without being asked to: schedule its restart or give up."""
+        assert svc.proc is not None
+        cfg = self.cfg
+        uptime = now - svc.started_at
+        # What it started (pool workers, ...) goes too: asked now, killed at the restart.
+        svc.dead_groups[svc.proc.pid] = time.time()
+        for p in _members({svc.proc.pid: svc.dead_groups[svc.proc.pid]}):
+            with contextlib.suppress(psutil.Error):
+                p.terminate()
+        if svc.state == "running" and now - svc.healthy_at >= cfg.restart_reset:
+            svc.failures = 0
+        svc.failures += 1
+        if cfg.max_restarts == 0:
+            svc.state = "failed"
+            return f"{svc.name} {what} after {uptime:.1f}s (restarts are off: max-restarts 0)"
+        if svc.failures > cfg.max_restarts:
+            svc.state = "failed"
+            return (
+                f"{svc.name} {what} after {uptime:.1f}s; it failed {svc.failures} times in a row "
+                f"(max-restarts {cfg.max_restarts}); giving up"
+            )
+        delay = min(cfg.restart_backoff * 2 ** (svc.failures - 1), cfg.restart_backoff_max)
+        svc.state = "backoff"
+        svc.next_start = now + delay
+        self._log(
+            f"{svc.name} {what} after {uptime:.1f}s; restarting it in {delay:g}s "
+            f"(failure {svc.failures} in a row, at most {cfg.max_restarts})"
+        )
+        return None
+
+    def _restart(self, svc: ServiceProcess) -> None:
+        for p in _members(dict(svc.dead_groups)):  # leftovers of the dead one: no more waiting
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        self.reap_orphans()
+        if svc.name == "decoder":  # the dead decoder's arena, even a half-made one
+            sweep_stale(self.shm_prefix, creating_grace_s=0)
+        svc.restarts += 1
+        self._spawn(svc)
+        self._log(
+            f"restarting {svc.name} (pid {svc.proc.pid if svc.proc else '?'}, "
+            f"restart {svc.restarts})"
+        )
+
+    # -- processes
     def exited(self) -> list[ServiceProcess]:
         """Services whose process has ended."""
         return [s for s in self.services if s.proc is not None and s.proc.poll() is not None]
@@ -560,67 +1110,93 @@ class Stack:
                     with contextlib.suppress(ChildProcessError, OSError):
                         os.waitpid(child.pid, os.WNOHANG)
 
+    def _groups(self) -> dict[int, float | None]:
+        """Process groups of every service incarnation (each leads its own):
+        {pgid: None while its leader is not reaped, else when it was seen gone}."""
+        groups: dict[int, float | None] = {}
+        for svc in self.services:
+            if svc.proc is not None and svc.proc.returncode is not None:
+                svc.dead_groups.setdefault(svc.proc.pid, time.time())
+            groups.update(svc.dead_groups)
+            if svc.proc is not None and svc.proc.returncode is None:
+                groups[svc.proc.pid] = None
+        return groups
+
     def kill(self) -> None:
         """SIGKILL every service's process group now (a second Ctrl-C)."""
-        for svc in self.services:
-            if svc.proc is not None:
-                _signal_group(svc.proc.pid, signal.SIGKILL)
+        groups = self._groups()
+        for pgid, gone in groups.items():
+            if gone is None:  # the leader is not reaped: the number is still its group's
+                _signal_group(pgid, signal.SIGKILL)
+        for p in _members({k: v for k, v in groups.items() if v is not None}):
+            with contextlib.suppress(psutil.Error):
+                p.kill()
 
     def stop(self, timeout_s: float | None = None) -> list[str]:
         """Stop gateway, decoder, materializer (in that order), then anything they
-        left running. Returns the deployment's shared-memory segments still present."""
+        left running, all within timeout_s (default cfg.stop_timeout) plus a
+        moment to kill what is left. Returns the deployment's shared-memory
+        segments still present."""
         if self._stopped:
             return list_segments(self.shm_prefix)
         self._stopped = True
         timeout = self.cfg.stop_timeout if timeout_s is None else timeout_s
+        deadline = time.monotonic() + timeout
+        # Each service may use what the ones before it left, less a share kept
+        # for each one after it (a decoder whose gateway is gone stops in well
+        # under a second): a slow gateway cannot leave the others no time at all.
+        share = min(2.0, timeout / 6)
         tracked = {p.pid: p for p in self.descendants()}
-        for svc in reversed(self.services):
+        order = list(reversed(self.services))
+        for i, svc in enumerate(order):
+            svc.state = "stopped"
             proc = svc.proc
             if proc is None or proc.poll() is not None:
                 continue
             proc.send_signal(signal.SIGTERM)
+            sent = time.monotonic()
+            until = deadline - share * (len(order) - 1 - i)
             try:
-                proc.wait(timeout)
+                proc.wait(max(until - sent, 0.0))
             except subprocess.TimeoutExpired:
-                print(f"{svc.name} did not stop within {timeout:g}s; killing it", file=sys.stderr)
+                self._log(
+                    f"{svc.name} did not stop within {time.monotonic() - sent:.1f}s of its "
+                    f"SIGTERM; killing it"
+                )
                 _signal_group(proc.pid, signal.SIGKILL)
                 proc.wait()
         # What the services started and did not stop: children of children,
         # orphans re-parented to us, anything still in their process groups.
         tracked.update({p.pid: p for p in self.descendants()})
         tracked.update({p.pid: p for p in self._group_members()})
-        left = _wait_gone(list(tracked.values()), 2.0)  # e.g. a forkserver noticing its parent left
+        # e.g. a forkserver noticing its parent left: a moment, within the deadline
+        left = _wait_gone(list(tracked.values()), min(2.0, max(deadline - time.monotonic(), 0.2)))
         if left:
             self.killed = [f"{p.pid} ({_name(p)})" for p in left]
             for p in left:
                 with contextlib.suppress(psutil.Error):
                     p.terminate()
-            for p in _wait_gone(left, 3.0):
+            for p in _wait_gone(left, min(3.0, max(deadline - time.monotonic(), 0.2))):
                 with contextlib.suppress(psutil.Error):
                     p.kill()
-        for svc in self.services:
-            if svc.proc is not None:
-                _signal_group(svc.proc.pid, signal.SIGKILL)  # last resort: nothing should be left
+        self.kill()  # last resort: nothing should be left
         self.reap_orphans()
-        # A killed decoder cannot unlink its arena; its flock is gone, so sweep.
-        sweep_stale(self.shm_prefix)
+        # A killed decoder cannot unlink its arena; its flock is gone, so sweep
+        # (a half-made one too: one killed while creating it left no header).
+        sweep_stale(self.shm_prefix, creating_grace_s=0)
         self._remove_runtime()
         return list_segments(self.shm_prefix)
 
     def _group_members(self) -> list[psutil.Process]:
-        groups = {s.proc.pid for s in self.services if s.proc is not None}
-        members = []
-        for p in psutil.process_iter():
-            with contextlib.suppress(OSError, psutil.Error):
-                if os.getpgid(p.pid) in groups and _alive(p):
-                    members.append(p)
-        return members
+        return _members(self._groups())
 
     def _remove_runtime(self) -> None:
         if self._own_runtime:
             shutil.rmtree(self.runtime, ignore_errors=True)
         else:
             shutil.rmtree(self.runtime / "tmp", ignore_errors=True)
+        if self._lock is not None:  # last: the directory is ours until it is gone
+            self._lock.release(unlink=not self._own_runtime)
 
     def __enter__(self) -> Stack:
         self.start()
@@ -628,6 +1204,10 @@ class Stack:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _log_stderr(message: str) -> None:
+    print(f"omni-serving up: {message}", file=sys.stderr, flush=True)
 
 
 def _name(proc: psutil.Process) -> str:
@@ -648,10 +1228,12 @@ def deployment_segments(deployment: str) -> list[str]:
 
 
 def run_up(cfg: StackConfig, out=None) -> int:
-    """Start the stack, print its endpoints, run until Ctrl-C/SIGTERM, stop it.
+    """Start the stack, print its endpoints, supervise it until Ctrl-C/SIGTERM, stop it.
 
-    Exit status: 0 after a clean stop; 1 when a service failed or something
-    was left behind; 130 when stopped while starting.
+    Exit status: 0 after a stop asked by SIGTERM or Ctrl-C (restarts on the
+    way included); 1 when a service failed to start, failed more often in a
+    row than max_restarts allows, or something was left behind; 130 when
+    Ctrl-C stopped it while starting (SIGTERM then: 0).
     """
     out = out or sys.stdout
     try:
@@ -661,51 +1243,60 @@ def run_up(cfg: StackConfig, out=None) -> int:
         return 2
     cfg = stack.cfg
     stop_requested = threading.Event()
-    signals_seen = 0
+    signals_seen: list[int] = []
 
     def on_signal(signum: int, frame: object) -> None:
-        nonlocal signals_seen
-        signals_seen += 1
+        signals_seen.append(signum)
         stop_requested.set()
-        if signals_seen > 1:  # asked twice: no more waiting
+        if len(signals_seen) > 1:  # asked twice: no more waiting
             stack.kill()
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     rc = 0
     try:
-        print(f"starting omni-serving: deployment {cfg.deployment}, profile {cfg.profile}, engine {cfg.engine}, "
-              f"materializer {'none (sync)' if cfg.sync else cfg.materializer_impl} ...", file=sys.stderr, flush=True)
+        print(
+            f"starting omni-serving: deployment {cfg.deployment}, profile {cfg.profile}, "
+            f"engine {cfg.engine}, materializer "
+            f"{'none (sync)' if cfg.sync else cfg.materializer_impl} ...",
+            file=sys.stderr,
+            flush=True,
+        )
         try:
             stack.start(abort=stop_requested)
         except StartAborted:
             print("stopped while starting", file=sys.stderr)
-            return 130
+            return 0 if signals_seen[:1] == [signal.SIGTERM] else 130
         except StackError as exc:
             print(f"omni-serving up: error: {exc}", file=sys.stderr)
             return 1
         width = max(len(label) for label, _ in stack.endpoints()) + 1
         lines = [f"omni-serving is up (deployment {cfg.deployment})"]
         lines += [f"  {label + ':':<{width}} {value}" for label, value in stack.endpoints()]
-        lines.append(f'try: omni-serving speak "Hello there" -o hello.wav --target {stack.gateway_target}')
+        lines.append(
+            f'try: omni-serving speak "Hello there" -o hello.wav --target {stack.gateway_target}'
+        )
         lines.append("Ctrl-C stops all three.")
         print("\n".join(lines), file=out, flush=True)
-        while not stop_requested.wait(0.2):
-            dead = stack.exited()
-            if dead:
-                for svc in dead:
-                    print(f"{svc.name} exited with code {svc.proc.returncode if svc.proc else '?'}; stopping the stack",
-                          file=sys.stderr)
-                rc = 1
-                break
-            stack.reap_orphans()
+        problem = stack.supervise(stop_requested)
+        if problem is not None:
+            print(
+                f"omni-serving up: error: {problem}; stopping the stack",
+                file=sys.stderr,
+                flush=True,
+            )
+            rc = 1
     finally:
+        started = time.monotonic()
         left = stack.stop()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     if stack.killed:
-        print(f"warning: stopped processes left behind by the services: {', '.join(stack.killed)}", file=sys.stderr)
+        print(
+            f"warning: stopped processes left behind by the services: {', '.join(stack.killed)}",
+            file=sys.stderr,
+        )
     if left:
         print(f"warning: shared-memory segments left: {left}", file=sys.stderr)
         return 1
-    print("stopped", file=sys.stderr)
+    print(f"stopped in {time.monotonic() - started:.1f}s", file=sys.stderr)
     return rc

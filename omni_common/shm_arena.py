@@ -13,9 +13,13 @@ refused, never returned.
 
 The writer (decoder) owns the segment: it holds an flock on it for its whole
 life, so `sweep_stale` can tell a live arena from one left by a killed process
-(SIGKILL included) and unlink the latter at startup. Segment names are
-`<prefix>-arena-<pid>-<nonce>`; a reader only opens names under its own
-deployment prefix.
+(SIGKILL included) and unlink the latter at startup. The lock is the test of
+liveness because it holds across PID namespaces (containers sharing one IPC
+namespace see each other's segments, not each other's pids). The header also
+records the owner (pid and process start time, as the owner sees them) for the
+sweep's log. Segment names are `<prefix>-arena-<pid>-<nonce>`; a reader only
+opens names under its own deployment prefix. `sweep_orphans` sweeps the
+segments of every deployment on the host whose owner is gone.
 """
 
 from __future__ import annotations
@@ -54,6 +58,15 @@ SHM_DIR = Path("/dev/shm")
 MAGIC = b"OMNIARN1"
 HEADER = struct.Struct("<8sIIQQ")  # magic, version, num_slots, slot_bytes, data_offset
 HEADER_BYTES = 64
+# In the header's spare bytes, after HEADER: the owner's pid and start time
+# (clock ticks after boot, /proc/<pid>/stat field 22). Zero in segments made
+# before the field existed; readers ignore it.
+OWNER = struct.Struct("<QQ")
+OWNER_OFFSET = HEADER.size
+# A segment without a header yet is one being created (the creator takes the
+# lock right after creating the file, then writes the header); after this
+# long it is debris of a creator killed in between.
+CREATING_GRACE_S = 10.0
 ENTRY = struct.Struct("<QQ")  # generation, ready_generation
 ENTRY_BYTES = 64  # one cache line per slot entry: no false sharing between slots
 ALIGN = 64
@@ -81,35 +94,128 @@ def list_segments(prefix: str) -> list[str]:
     return sorted(p.name for p in SHM_DIR.glob(arena_glob(prefix)))
 
 
-def sweep_stale(prefix: str) -> list[str]:
-    """Unlink segments under `prefix` whose owner is gone; return their names.
+def process_start_ticks(pid: int) -> int | None:
+    """When process `pid` started, in clock ticks after boot; None if it is gone.
 
-    The owner holds an exclusive flock for its lifetime; the kernel drops it
-    when the owner dies, however it dies. A segment we can lock is orphaned.
+    With the pid it names one process: a pid reused later has a later start.
     """
-    removed = []
-    for name in list_segments(prefix):
-        path = SHM_DIR / name
-        try:
-            fd = os.open(path, os.O_RDONLY)
-        except FileNotFoundError:
-            continue
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    # Field 2 (the command name) may hold spaces and parentheses: split after it.
+    fields = stat[stat.rindex(")") + 2 :].split()
+    try:
+        return int(fields[19])  # field 22 of the whole line
+    except (IndexError, ValueError):
+        return None
+
+
+@dataclass(frozen=True)
+class SegmentOwner:
+    """The process that created a segment, as recorded in its header."""
+
+    pid: int
+    start_ticks: int
+
+    def alive(self) -> bool:
+        """Whether that process still runs here (meaningful in its own PID namespace only)."""
+        return self.pid > 0 and process_start_ticks(self.pid) == self.start_ticks
+
+
+def segment_owner(name: str) -> SegmentOwner | None:
+    """The owner recorded in segment `name`; None if it is unreadable or has no record."""
+    try:
+        with open(SHM_DIR / name, "rb") as f:
+            head = f.read(OWNER_OFFSET + OWNER.size)
+    except OSError:
+        return None
+    if len(head) < OWNER_OFFSET + OWNER.size or head[: len(MAGIC)] != MAGIC:
+        return None
+    pid, start = OWNER.unpack_from(head, OWNER_OFFSET)
+    return SegmentOwner(pid, start) if pid else None
+
+
+def _unlink_if_orphaned(name: str, creating_grace_s: float) -> str | None:
+    """Unlink segment `name` if no process holds its lock; return how it was
+    recognized (for the log), or None when it was left alone.
+
+    Left alone: a segment whose lock is held (its owner, or a child that
+    inherited the descriptor, is alive), one we may not open, and one without
+    a header younger than `creating_grace_s` (being created right now).
+    """
+    path = SHM_DIR / name
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+    except OSError:  # gone meanwhile, not ours to read, or not a plain file
+        return None
+    try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as exc:
             if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                os.close(fd)
-                continue  # a live owner holds it
-            os.close(fd)
+                return None  # a live owner holds it
             raise
+        st = os.fstat(fd)
+        head = os.pread(fd, OWNER_OFFSET + OWNER.size, 0)
+        if head[: len(MAGIC)] == MAGIC and len(head) == OWNER_OFFSET + OWNER.size:
+            pid, start = OWNER.unpack_from(head, OWNER_OFFSET)
+            why = f"owner pid {pid} gone" if pid else "owner gone"
+        elif time.time() - st.st_mtime >= creating_grace_s:
+            why = "no header, creator gone"
+        else:
+            return None  # its creator is about to take the lock
         try:
-            path.unlink(missing_ok=True)
+            current = os.lstat(path)
+        except FileNotFoundError:
+            return None
+        if (current.st_dev, current.st_ino) != (st.st_dev, st.st_ino):
+            return None  # replaced meanwhile: not the file we judged
+        try:
+            path.unlink()
+        except FileNotFoundError:
+            return None  # someone else swept it first
+        except PermissionError:
+            return None  # another user's, in the sticky /dev/shm
+        return why
+    finally:
+        os.close(fd)
+
+
+def _sweep(names: list[str], scope: str, creating_grace_s: float | None) -> list[str]:
+    grace = CREATING_GRACE_S if creating_grace_s is None else creating_grace_s
+    removed = []
+    for name in names:
+        why = _unlink_if_orphaned(name, grace)
+        if why is not None:
             removed.append(name)
-        finally:
-            os.close(fd)
+            logger.info("swept stale shared-memory segment %s (%s)", name, why)
     if removed:
-        logger.info("swept %d stale shared-memory segment(s) under %r: %s", len(removed), prefix, removed)
+        logger.info("swept %d stale shared-memory segment(s) %s", len(removed), scope)
     return removed
+
+
+def sweep_stale(prefix: str, creating_grace_s: float | None = None) -> list[str]:
+    """Unlink segments under `prefix` whose owner is gone; return their names.
+
+    The owner holds an exclusive flock for its lifetime; the kernel drops it
+    when the owner dies, however it dies. A segment we can lock is orphaned.
+    One without a header is left alone while younger than `creating_grace_s`
+    (default CREATING_GRACE_S): its creator may be about to lock it. 0 suits
+    a caller that knows every writer of the prefix is gone (a launcher whose
+    decoder has exited).
+    """
+    return _sweep(list_segments(prefix), f"under {prefix!r}", creating_grace_s)
+
+
+def sweep_orphans() -> list[str]:
+    """Unlink the arena segments of every deployment on this host whose owner
+    is gone (`omni-*-arena-*`); return their names.
+
+    Live arenas, of any deployment, hold their owner's lock and stay.
+    """
+    names = sorted(p.name for p in SHM_DIR.glob("omni-*-arena-*") if _NAME_RE.match(p.name))
+    return _sweep(names, "of any deployment", None)
 
 
 @dataclass(frozen=True)
@@ -203,7 +309,9 @@ class ShmArena:
         fd = os.open(self.path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
         try:
             os.fchmod(fd, 0o600)  # umask can only remove bits; make the mode exact
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            # Blocking: a sweeper may hold the lock for a moment while it looks
+            # at this header-less file; it leaves it alone (CREATING_GRACE_S).
+            fcntl.flock(fd, fcntl.LOCK_EX)
             os.ftruncate(fd, self.size)
             self._mm = mmap.mmap(fd, self.size, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
         except BaseException:
@@ -211,6 +319,8 @@ class ShmArena:
             self.path.unlink(missing_ok=True)
             raise
         self._fd = fd  # held open: keeps the flock that marks the arena as live
+        pid = os.getpid()
+        OWNER.pack_into(self._mm, OWNER_OFFSET, pid, process_start_ticks(pid) or 0)
         HEADER.pack_into(self._mm, 0, MAGIC, VERSION, num_slots, self.slot_bytes, self.data_offset)
         self._data = torch.frombuffer(self._mm, dtype=torch.uint8)
         self.base_address = self._data.data_ptr()

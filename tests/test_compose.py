@@ -1,16 +1,21 @@
-"""docker/compose.yaml runs what `omni-serving up` runs.
+"""docker/compose.yaml runs what `omni-serving up` runs, and survives restarts.
 
 Each service's command and environment in the compose file are compared with
 `omni_cli.launcher.service_commands` for the configuration the file stands
 for: the `up` defaults, deployment "omni", sockets in /run/omni-serving, and
-every port bound on all interfaces. The files are checked as parsed here
-(YAML, `${VAR:-default}` resolved to its default) and, when a compose binary
-is installed, as `docker-compose config` renders them.
+every port bound on all interfaces inside its container. Around that: restart
+policies, the IPC holder that keeps decoder and materializer in one namespace
+across restarts, ports published on the host's loopback, and a Dockerfile that
+builds without Docker Hub. The files are checked as parsed here (YAML,
+`${VAR:-default}` resolved to its default) and, when a compose binary is
+installed, as `docker-compose config` renders them. tests/test_compose_engine.py
+runs them under a real Docker engine.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import re
 import shutil
@@ -25,8 +30,10 @@ from omni_cli.launcher import StackConfig, default_value, service_commands, serv
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker" / "compose.yaml"
 COMPOSE_GPU = ROOT / "docker" / "compose.gpu.yaml"
+DOCKERFILE = ROOT / "docker" / "Dockerfile"
 RUNTIME = "/run/omni-serving"
 SERVICES = ("materializer", "decoder", "gateway")
+HOLDER = "ipc"  # holds the IPC namespace decoder and materializer share
 _VAR = re.compile(r"\$\{(\w+)(?::?-([^}]*))?\}")
 
 
@@ -73,15 +80,15 @@ def _compose_env() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if not k.startswith(("OMNI_", "COMPOSE_"))}
 
 
-def _run_compose_config(*files: Path) -> str:
+def _run_compose_config(*files: Path, env: dict[str, str] | None = None) -> str:
     binary = _compose_binary()
     if binary is None:
         pytest.skip("no docker-compose binary (CI installs Debian's docker-compose; see .ci/run)")
     args = [*binary]
     for f in files:
         args += ["-f", str(f)]
-    proc = subprocess.run([*args, "config"], capture_output=True, text=True, env=_compose_env(),
-                          cwd=ROOT, timeout=120, check=False)
+    proc = subprocess.run([*args, "config"], capture_output=True, text=True,
+                          env={**_compose_env(), **(env or {})}, cwd=ROOT, timeout=120, check=False)
     assert proc.returncode == 0, f"{' '.join(args)} config failed:\n{proc.stderr}"
     return proc.stdout
 
@@ -119,12 +126,21 @@ def _env(service: dict) -> dict[str, str]:
     return {k: str(v) for k, v in env.items()}
 
 
-def test_compose_has_the_three_services(services):
-    assert set(services) == set(SERVICES)
-    images = {services[name]["image"] for name in SERVICES}
-    assert len(images) == 1, f"the three services should run one image, got {images}"
-    builds = {yaml.safe_dump(services[name].get("build"), sort_keys=True) for name in SERVICES}
-    assert len(builds) == 1, "the three services should build the image the same way"
+def test_compose_has_the_three_services_and_the_ipc_holder(services):
+    assert set(services) == {*SERVICES, HOLDER}
+    images = {services[name]["image"] for name in services}
+    assert len(images) == 1, f"every service should run one image, got {images}"
+    builds = {yaml.safe_dump(services[name].get("build"), sort_keys=True) for name in services}
+    assert len(builds) == 1, "every service should build the image the same way"
+
+
+@pytest.mark.parametrize("name", [*SERVICES, HOLDER])
+def test_every_service_is_restarted_after_a_crash(services, name):
+    # unless-stopped: a crash (non-zero exit, a signal) restarts the container;
+    # `docker compose stop` is a manual stop and is respected.
+    policy = services[name].get("restart")
+    assert policy == "unless-stopped", f"{name}: restart {policy!r}"
+    assert services[name].get("init") is True, f"{name}: no init to forward signals, reap children"
 
 
 @pytest.mark.parametrize("name", SERVICES)
@@ -161,11 +177,21 @@ def test_service_environment_matches_launcher(services, name):
     assert not missing, f"{name}: compose environment lacks or differs on {missing} (has {env})"
 
 
-def test_decoder_and_materializer_share_ipc_and_shm(services):
-    dec, mat = services["decoder"], services["materializer"]
-    assert dec["ipc"] == "shareable"
-    assert mat["ipc"] == "service:decoder"
-    assert "shm_size" not in mat, "the materializer uses the decoder's /dev/shm"
+def test_decoder_and_materializer_share_the_holders_ipc_and_shm(services):
+    # Both join the holder: a restart of either rejoins the same namespace,
+    # where the other still is (joining the decoder's own namespace left the
+    # materializer behind in the old one after a decoder restart).
+    holder, dec, mat = services[HOLDER], services["decoder"], services["materializer"]
+    assert holder["ipc"] == "shareable"
+    for name, svc in (("decoder", dec), ("materializer", mat)):
+        assert svc["ipc"] == f"service:{HOLDER}", f"{name}: ipc {svc['ipc']!r}"
+        assert "shm_size" not in svc, f"{name}: uses the holder's /dev/shm, its own size is unused"
+        condition = svc["depends_on"][HOLDER]["condition"]
+        assert condition == "service_started", f"{name}: {svc['depends_on']}"
+    # The holder runs nothing that could crash: a pause, no module of ours, no ports.
+    command = holder["command"]
+    assert command[:2] == ["python", "-c"] and "pause()" in command[2], f"holder command {command}"
+    assert "ports" not in holder and "healthcheck" not in holder
     # The arena is a sparse file: a /dev/shm smaller than it fails with SIGBUS
     # on a later write, not at creation. Room for two (restart overlap).
     from decoder_svc.server import add_arguments
@@ -174,7 +200,8 @@ def test_decoder_and_materializer_share_ipc_and_shm(services):
     add_arguments(parser)
     defaults = parser.parse_args([])
     arena = defaults.arena_slots * defaults.arena_slot_bytes
-    assert _bytes(dec["shm_size"]) >= 2 * arena, f"shm_size {dec['shm_size']} < 2 x arena ({arena} bytes)"
+    size = _bytes(holder["shm_size"])
+    assert size >= 2 * arena, f"shm_size {holder['shm_size']} < 2 x arena ({arena} bytes)"
 
 
 def _bytes(size) -> int:
@@ -213,33 +240,90 @@ def test_healthchecks_probe_each_service(services):
         assert test[4] == launcher[name], f"{name}: healthcheck probes {test[4]}, the service is at {launcher[name]}"
 
 
-def test_gateway_publishes_ports_and_waits_for_healthy_backends(services):
+def _published(port) -> tuple[str, str, str]:
+    """(host ip, host port, container port) of a `ports` entry, short or long syntax."""
+    if isinstance(port, dict):
+        return str(port.get("host_ip", "")), str(port.get("published", "")), str(port["target"])
+    parts = str(port).removesuffix("/tcp").split(":")
+    if len(parts) == 3:
+        return parts[0], parts[1], parts[2]
+    return "", parts[0] if len(parts) == 2 else "", parts[-1]
+
+
+def test_gateway_publishes_ports_on_loopback_and_waits_for_healthy_backends(services):
     gw = services["gateway"]
     cfg = expected_config()
-    published = {str(p.get("target")) if isinstance(p, dict) else str(p).split(":")[-1] for p in gw["ports"]}
-    assert {str(cfg.port), str(cfg.http_port)} <= published
+    published = {_published(p)[2]: _published(p) for p in gw["ports"]}
+    assert {str(cfg.port), str(cfg.http_port)} <= set(published)
+    for target, (host_ip, host_port, _) in published.items():
+        assert host_ip == "127.0.0.1", f"port {target} published on {host_ip or 'every interface'}"
+        assert host_port == target
     for dep in ("decoder", "materializer"):
         assert gw["depends_on"][dep]["condition"] == "service_healthy"
+    for name in (*SERVICES, HOLDER):
+        if name != "gateway":
+            assert "ports" not in services[name], f"{name} publishes ports"
 
 
-def test_probe_is_shipped():
+def test_published_address_and_ports_are_chosen_by_variables():
+    env = {"OMNI_PUBLISH_HOST": "0.0.0.0", "OMNI_GRPC_PORT": "6051", "OMNI_HTTP_PORT": "6080"}
+    rendered = yaml.safe_load(_run_compose_config(COMPOSE, env=env))["services"]["gateway"]
+    published = {_published(p)[2]: _published(p)[:2] for p in rendered["ports"]}
+    assert published == {"50051": ("0.0.0.0", "6051"), "8000": ("0.0.0.0", "6080")}, published
+
+
+def test_dockerfile_builds_without_docker_hub():
+    lines = [line.strip() for line in DOCKERFILE.read_text().splitlines()]
+    # A `# syntax=` line makes BuildKit pull a frontend image; the builder's own suffices.
+    assert not any(line.lower().startswith("# syntax=") for line in lines)
+    code = [line for line in lines if line and not line.startswith("#")]
+    froms = [line for line in code if line.upper().startswith("FROM ")]
+    assert froms == ["FROM ${BASE_IMAGE}"], f"the base image must be a build argument: {froms}"
+    first_arg = next(line for line in code if line.upper().startswith("ARG BASE_IMAGE"))
+    assert code.index(first_arg) < code.index(froms[0]), "ARG BASE_IMAGE must come before FROM"
+    assert first_arg == "ARG BASE_IMAGE=python:3.11-slim", f"default base image: {first_arg}"
+
+
+def test_probe_reports_a_real_servers_health(tmp_path, capsys):
+    # The healthchecks above run this module: it must say SERVING (exit 0)
+    # only while the server is SERVING, and fail (exit 1) otherwise.
     import omni_cli.probe as probe
+    from omni_common.server import ServerConfig, build_server
 
-    assert callable(probe.main)
+    async def scenario() -> tuple[int, int, int]:
+        server, bound, health = await build_server(
+            ServerConfig(address=f"unix://{tmp_path}/probe.sock", service_name="omni.test.Probe"),
+            lambda server: None,
+        )
+        try:
+            serving = await asyncio.to_thread(probe.main, [bound])
+            await health.enter_graceful_shutdown()
+            draining = await asyncio.to_thread(probe.main, [bound])
+        finally:
+            await server.stop(0)
+        gone = await asyncio.to_thread(probe.main, [bound, "--timeout", "1"])
+        return serving, draining, gone
+
+    codes = asyncio.run(scenario())
+    out = capsys.readouterr()
+    assert codes == (0, 1, 1), f"{codes=} {out}"
+    assert ": SERVING" in out.out and ": NOT_SERVING" in out.out, out
 
 
 def test_gpu_override():
     gpu = _resolve(yaml.safe_load(COMPOSE_GPU.read_text()))["services"]
-    assert set(gpu) <= set(SERVICES)
+    assert set(gpu) == {*SERVICES, HOLDER}, "every service (the holder too) runs the cuda image"
     devices = gpu["decoder"]["deploy"]["resources"]["reservations"]["devices"]
     assert any("gpu" in d.get("capabilities", []) for d in devices)
     for name, svc in gpu.items():
         assert svc["build"]["args"]["EXTRAS"] == "cuda", f"{name}: GPU image must use the cuda extra"
     images = {svc["image"] for svc in gpu.values()}
-    assert len(images) == 1 and images != {yaml.safe_load(COMPOSE.read_text())["x-service"]["image"]}
+    cpu_image = _resolve(yaml.safe_load(COMPOSE.read_text()))["x-service"]["image"]
+    assert len(images) == 1 and images != {cpu_image}, f"{images=} {cpu_image=}"
 
 
 def test_docker_compose_config_validates_gpu_variant():
     rendered = yaml.safe_load(_run_compose_config(COMPOSE, COMPOSE_GPU))["services"]
     assert rendered["decoder"]["deploy"]["resources"]["reservations"]["devices"]
-    assert rendered["decoder"]["ipc"] == "shareable"
+    assert rendered[HOLDER]["ipc"] == "shareable"
+    assert rendered["decoder"]["ipc"] == rendered["materializer"]["ipc"] == f"service:{HOLDER}"

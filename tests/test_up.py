@@ -10,9 +10,12 @@ cover option handling: config files, precedence, errors.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import dataclasses
 import importlib.util
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -397,3 +400,70 @@ def test_configuration_doc_lists_every_option():
         if undocumented:
             missing[name] = undocumented
     assert not missing, f"options missing from docs/configuration.md: {missing}"
+
+
+def test_gateway_security_options_pass_through(tmp_path):
+    cfg = _parse("--tls-cert", "/etc/omni/cert.pem", "--tls-key", "/etc/omni/key.pem",
+                 "--auth-token-file", "/etc/omni/token")
+    gateway = service_commands(dataclasses.replace(cfg, deployment="d1"), tmp_path)[-1]
+    flags = dict(zip(gateway.argv[3::2], gateway.argv[4::2], strict=True))
+    assert flags["--tls-cert"] == "/etc/omni/cert.pem" and flags["--tls-key"] == "/etc/omni/key.pem"
+    assert flags["--auth-token-file"] == "/etc/omni/token"
+    plain = service_commands(StackConfig(deployment="d1"), tmp_path)[-1].argv
+    passed = {"--tls-cert", "--tls-key", "--auth-token-file"} & set(plain)
+    assert not passed, f"empty options are not passed, got {passed}"
+    with pytest.raises(ConfigError, match="tls_cert and tls_key"):
+        _parse("--tls-cert", "/etc/omni/cert.pem")
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--max-restarts", "-1"], "max_restarts"),
+        (["--restart-backoff", "0"], "restart_backoff"),
+        (["--restart-backoff", "2", "--restart-backoff-max", "1"], "restart_backoff_max"),
+        (["--restart-reset", "0"], "restart_reset"),
+    ],
+)
+def test_restart_options_are_checked(argv, needle):
+    with pytest.raises(ConfigError, match=needle):
+        _parse(*argv)
+    ok = _parse("--max-restarts", "2", "--restart-backoff", "0.25", "--restart-backoff-max", "4")
+    assert (ok.max_restarts, ok.restart_backoff, ok.restart_backoff_max) == (2, 0.25, 4.0)
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="no openssl to make a certificate")
+def test_tls_readiness_check_needs_a_tls_handshake(tmp_path):
+    import socket
+    import ssl
+    import threading
+
+    from omni_cli.launcher import _tls_answers
+
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-subj", "/CN=omni.example", "-keyout", str(key), "-out", str(cert)],
+                   check=True, capture_output=True, timeout=60)
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.load_cert_chain(cert, key)
+    with socket.create_server(("127.0.0.1", 0)) as plain, \
+            socket.create_server(("127.0.0.1", 0)) as tls:
+
+        def serve(sock: socket.socket, wrap: bool) -> None:
+            conn, _ = sock.accept()
+            with conn:
+                if wrap:
+                    with contextlib.suppress(OSError), ctx.wrap_socket(conn, server_side=True) as s:
+                        s.recv(1)
+                else:
+                    conn.recv(1)
+
+        threads = [threading.Thread(target=serve, args=(sock, wrap), daemon=True)
+                   for sock, wrap in ((tls, True), (plain, False))]
+        for t in threads:
+            t.start()
+        assert _tls_answers("127.0.0.1", tls.getsockname()[1], 5.0) is None
+        problem = _tls_answers("127.0.0.1", plain.getsockname()[1], 1.0)
+        assert problem is not None and "no TLS handshake" in problem
+        for t in threads:
+            t.join(5)
