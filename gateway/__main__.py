@@ -1,16 +1,39 @@
-"""``python -m gateway --listen ADDR --decoder TARGET [--http-port N] [--max-text-chars N] [--max-concurrent N]``."""
+"""``python -m gateway --listen ADDR --decoder TARGET [options]`` (see docs/gateway.md).
+
+Environment variables stand in for some options (the option wins):
+``OMNI_GATEWAY_TLS_CERT``, ``OMNI_GATEWAY_TLS_KEY`` (TLS on gRPC and HTTP),
+``OMNI_GATEWAY_TOKEN`` (the bearer token itself) and
+``OMNI_GATEWAY_TOKEN_FILE`` (a file holding it).
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 
 from gateway.app import GatewayConfig, serve_gateway
 from gateway.engine import DEFAULT_MAX_CONCURRENT
-from gateway.validation import DEFAULT_MAX_TEXT_CHARS
+from gateway.validation import DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_MAX_TEXT_CHARS
 from omni_common.errors import OmniError
 from omni_common.logging_setup import setup_logging
+
+TLS_CERT_ENV = "OMNI_GATEWAY_TLS_CERT"
+TLS_KEY_ENV = "OMNI_GATEWAY_TLS_KEY"
+TOKEN_ENV = "OMNI_GATEWAY_TOKEN"
+TOKEN_FILE_ENV = "OMNI_GATEWAY_TOKEN_FILE"
+
+
+def read_token_file(path: str) -> str:
+    """The token in `path`: its content without surrounding whitespace (ValueError if empty)."""
+    with open(path, encoding="utf-8") as f:
+        token = f.read().strip()
+    if not token:
+        raise ValueError(f"{path} is empty")
+    if any(c.isspace() for c in token):
+        raise ValueError(f"{path}: the token must be one word (no whitespace inside)")
+    return token
 
 
 def default_http_host(listen: str) -> str:
@@ -54,6 +77,29 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         default=DEFAULT_MAX_CONCURRENT,
         help="client streams served at once; more are refused with RESOURCE_EXHAUSTED / HTTP 429",
     )
+    parser.add_argument(
+        "--max-response-bytes",
+        type=int,
+        default=DEFAULT_MAX_RESPONSE_BYTES,
+        help="largest response message; a bigger CUMULATIVE/FINAL_ONLY Generate output ends "
+        "the stream with RESOURCE_EXHAUSTED (Speak audio is split instead)",
+    )
+    parser.add_argument(
+        "--tls-cert",
+        default=os.environ.get(TLS_CERT_ENV) or None,
+        help=f"PEM certificate chain: serve gRPC and HTTP over TLS (env {TLS_CERT_ENV})",
+    )
+    parser.add_argument(
+        "--tls-key",
+        default=os.environ.get(TLS_KEY_ENV) or None,
+        help=f"PEM private key of --tls-cert (env {TLS_KEY_ENV})",
+    )
+    parser.add_argument(
+        "--auth-token-file",
+        default=os.environ.get(TOKEN_FILE_ENV) or None,
+        help="require 'authorization: Bearer <token>' on gRPC and HTTP (health excepted); the "
+        f"file holds the token (env {TOKEN_FILE_ENV}, or the token itself in {TOKEN_ENV})",
+    )
     parser.add_argument("--grace-s", type=float, default=5.0, help="shutdown grace period")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
@@ -61,6 +107,18 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         parser.error("--max-text-chars must be >= 1")
     if args.max_concurrent < 1:
         parser.error("--max-concurrent must be >= 1")
+    if args.max_response_bytes < 65536:
+        parser.error("--max-response-bytes must be >= 65536")
+    if (args.tls_cert is None) != (args.tls_key is None):
+        parser.error(f"--tls-cert and --tls-key ({TLS_CERT_ENV}/{TLS_KEY_ENV}) go together")
+    token = None
+    if args.auth_token_file:
+        try:
+            token = read_token_file(args.auth_token_file)
+        except (OSError, ValueError) as exc:
+            parser.error(f"--auth-token-file: {exc}")
+    elif os.environ.get(TOKEN_ENV, "").strip():
+        token = os.environ[TOKEN_ENV].strip()
     setup_logging(args.log_level, service="gateway")
     return GatewayConfig(
         listen=args.listen,
@@ -70,6 +128,10 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         max_text_chars=args.max_text_chars,
         max_concurrent=args.max_concurrent,
         grace_s=args.grace_s,
+        max_response_bytes=args.max_response_bytes,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
+        auth_token=token,
     )
 
 

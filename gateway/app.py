@@ -3,21 +3,41 @@
 `serve_gateway` is what ``python -m gateway`` runs (signals, graceful
 shutdown via `omni_common.server.serve`); `start_gateway` starts the same
 parts and returns a handle, for tests and embedding.
+
+The gateway's grpc.health.v1 status starts NOT_SERVING and then follows the
+decoder's (`gateway.health.DecoderMonitor`). With a TLS certificate both
+listeners (gRPC and HTTP) serve TLS; with a token both require it (health
+excepted).
 """
 
 from __future__ import annotations
 
 import logging
+import ssl
 from dataclasses import dataclass
 
 import grpc
 
 from gateway.decoder_client import DecoderClient
 from gateway.engine import DEFAULT_MAX_CONCURRENT, GatewayEngine
+from gateway.health import DEFAULT_INTERVAL_S, DecoderMonitor
 from gateway.http_facade import HttpFacade
 from gateway.servicer import SERVICE_NAME, registrar
-from gateway.validation import DEFAULT_MAX_TEXT_CHARS, Limits
-from omni_common.server import HealthServicer, ServerConfig, build_server, serve
+from gateway.validation import DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_MAX_TEXT_CHARS, Limits
+from omni_common.errors import FailedPreconditionError, InvalidArgumentError
+from omni_common.server import (
+    BearerTokenInterceptor,
+    HealthServicer,
+    MalformedRequestInterceptor,
+    ServerConfig,
+    TlsFiles,
+    build_server,
+    serve,
+    set_health,
+)
+
+MAX_REQUEST_BYTES = 1 * 2**20
+"""Largest request message accepted: text is at most a few thousand characters."""
 
 logger = logging.getLogger(__name__)
 
@@ -36,22 +56,94 @@ class GatewayConfig:
     max_text_chars: int = DEFAULT_MAX_TEXT_CHARS
     max_concurrent: int = DEFAULT_MAX_CONCURRENT
     grace_s: float = 5.0
+    max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES
+    """Largest response message (a bigger CUMULATIVE/FINAL_ONLY output is RESOURCE_EXHAUSTED)."""
+    tls_cert: str | None = None
+    """PEM certificate chain: serve gRPC and HTTP over TLS (needs `tls_key`)."""
+    tls_key: str | None = None
+    """PEM private key of `tls_cert`."""
+    auth_token: str | None = None
+    """Bearer token every client call must carry (health excepted); None = open."""
+    health_interval_s: float = DEFAULT_INTERVAL_S
+    """Time between two decoder health checks."""
+
+    def __post_init__(self) -> None:
+        if (self.tls_cert is None) != (self.tls_key is None):
+            raise InvalidArgumentError("tls", "give both a certificate and its key, or neither")
+        if self.auth_token is not None and not self.auth_token.strip():
+            raise InvalidArgumentError("auth_token", "must not be empty")
+        Limits(max_text_chars=self.max_text_chars, max_response_bytes=self.max_response_bytes)
+
+    @property
+    def tls(self) -> TlsFiles | None:
+        if self.tls_cert is None or self.tls_key is None:
+            return None
+        return TlsFiles(self.tls_cert, self.tls_key)
 
     def server_config(self) -> ServerConfig:
+        interceptors: list[grpc.aio.ServerInterceptor] = []
+        if self.auth_token is not None:
+            interceptors.append(BearerTokenInterceptor(self.auth_token))
+        interceptors.append(MalformedRequestInterceptor())
         return ServerConfig(
             address=self.listen,
             service_name=SERVICE_NAME,
             grace_s=self.grace_s,
             reflection_service_names=(SERVICE_NAME,),
+            max_receive_message_bytes=MAX_REQUEST_BYTES,
+            tls=self.tls,
+            interceptors=interceptors,
+            serving_at_start=False,  # the decoder monitor decides
         )
+
+    def http_ssl_context(self) -> ssl.SSLContext | None:
+        """The HTTP facade's TLS context (same certificate as gRPC), or None."""
+        tls = self.tls
+        if tls is None:
+            return None
+        tls.read()  # a readable PEM pair, or an error naming the file
+        context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+        try:
+            context.load_cert_chain(tls.cert_path, tls.key_path)
+        except (ssl.SSLError, OSError) as exc:
+            raise FailedPreconditionError(
+                f"TLS certificate {tls.cert_path} / key {tls.key_path}: cannot load them: {exc}"
+            ) from exc
+        return context
 
     def build_engine(self) -> GatewayEngine:
         """The engine, with its decoder channel; call inside the event loop."""
         return GatewayEngine(
             DecoderClient(self.decoder),
-            limits=Limits(max_text_chars=self.max_text_chars),
+            limits=Limits(
+                max_text_chars=self.max_text_chars, max_response_bytes=self.max_response_bytes
+            ),
             max_concurrent=self.max_concurrent,
         )
+
+    def build_http(self, engine: GatewayEngine, monitor: DecoderMonitor) -> HttpFacade | None:
+        if self.http_port is None:
+            return None
+        return HttpFacade(
+            engine,
+            monitor=monitor,
+            auth_token=self.auth_token,
+            ssl_context=self.http_ssl_context(),
+        )
+
+
+def _monitor(
+    config: GatewayConfig, engine: GatewayEngine, server_config: ServerConfig
+) -> tuple[DecoderMonitor, list[HealthServicer]]:
+    """A decoder monitor that drives the health servicer once it is attached to the list."""
+    attached: list[HealthServicer] = []
+
+    async def on_change(healthy: bool) -> None:
+        for servicer in attached:
+            await set_health(servicer, server_config.health_names, serving=healthy)
+
+    monitor = DecoderMonitor(engine.decoder, on_change, interval_s=config.health_interval_s)
+    return monitor, attached
 
 
 @dataclass
@@ -63,6 +155,7 @@ class RunningGateway:
     address: str
     health: HealthServicer
     http: HttpFacade | None
+    monitor: DecoderMonitor
 
     @property
     def http_port(self) -> int | None:
@@ -70,6 +163,7 @@ class RunningGateway:
 
     async def stop(self, grace_s: float | None = 0.5) -> None:
         await self.health.enter_graceful_shutdown()
+        await self.monitor.stop()
         await self.server.stop(grace_s)
         if self.http is not None:
             await self.http.stop()
@@ -80,32 +174,57 @@ async def start_gateway(config: GatewayConfig) -> RunningGateway:
     """Start engine, gRPC server and (if configured) the HTTP facade in this loop."""
     server_config = config.server_config()  # refuse a malformed address before opening anything
     engine = config.build_engine()
-    server, address, health = await build_server(server_config, registrar(engine))
-    http = None
-    if config.http_port is not None:
-        http = HttpFacade(engine)
-        await http.start(config.http_host, config.http_port)
-    return RunningGateway(engine, server, address, health, http)
+    monitor, attached = _monitor(config, engine, server_config)
+    try:
+        http = config.build_http(engine, monitor)
+        server, address, health = await build_server(server_config, registrar(engine))
+    except BaseException:
+        await engine.close()
+        raise
+    attached.append(health)
+    await monitor.start()
+    if http is not None:
+        try:
+            await http.start(config.http_host, config.http_port or 0)
+        except BaseException:
+            await monitor.stop()
+            await server.stop(0)
+            await engine.close()
+            raise
+    return RunningGateway(engine, server, address, health, http, monitor)
 
 
 async def serve_gateway(config: GatewayConfig) -> None:
     """Run until SIGTERM/SIGINT, then shut down gracefully (health, gRPC, HTTP, decoder channel)."""
     server_config = config.server_config()  # refuse a malformed address before opening anything
     engine = config.build_engine()
-    http = HttpFacade(engine) if config.http_port is not None else None
+    monitor, attached = _monitor(config, engine, server_config)
+    http = config.build_http(engine, monitor)
     if http is not None:
-        await http.start(config.http_host, config.http_port)
+        await http.start(config.http_host, config.http_port or 0)
+
+    async def on_started(server: grpc.aio.Server, health: HealthServicer) -> None:
+        attached.append(health)
+        await monitor.start()
 
     async def on_shutdown() -> None:
+        await monitor.stop()
         if http is not None:
             await http.stop()
         await engine.close()
 
     def ready(address: str) -> None:
         http_note = f", HTTP on port {http.port}" if http is not None else ""
-        print(f"gateway listening on {address}{http_note}", flush=True)
+        tls_note = " (TLS)" if config.tls is not None else ""
+        print(f"gateway listening on {address}{http_note}{tls_note}", flush=True)
 
-    await serve(server_config, registrar(engine), on_shutdown=on_shutdown, ready=ready)
+    await serve(
+        server_config,
+        registrar(engine),
+        on_shutdown=on_shutdown,
+        ready=ready,
+        on_started=on_started,
+    )
 
 
 __all__ = ["GatewayConfig", "RunningGateway", "serve_gateway", "start_gateway"]

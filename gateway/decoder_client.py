@@ -1,18 +1,28 @@
 """The gateway's client of `DecoderService`: one channel, cached decoder info, error translation.
 
 Decoder failures reach the gateway as `grpc.aio.AioRpcError`; `decoder_error`
-turns them into the shared exception types (with the decoder named in the
-message) so the servicer and the HTTP facade map them through one table.
+turns them into the shared exception types so the servicer and the HTTP
+facade map them through one table. What the client sees starts with
+``decoder: CODE:`` and is sanitized (no decoder address, paths or class
+names); a decoder failure that is not a known condition (UNKNOWN, INTERNAL,
+...) reaches the client as INTERNAL with a generic message, and its details
+only the gateway's log.
+
+The channel reconnects fast (`fast_reconnect_options`): a restarted decoder
+is reachable again about a second after it listens. `probe` is the health
+check `DecoderMonitor` (gateway.health) runs on the same channel.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
 import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from omni_common.errors import (
     AbortedError,
@@ -21,10 +31,12 @@ from omni_common.errors import (
     FailedPreconditionError,
     NotFoundError,
     OmniError,
+    OutOfRangeError,
     ResourceExhaustedError,
     UnavailableError,
+    sanitize_message,
 )
-from omni_common.server import client_options, client_target
+from omni_common.server import client_options, client_target, fast_reconnect_options
 from omni_serving.v1 import decoder_pb2, decoder_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -33,14 +45,25 @@ DEFAULT_SAMPLE_RATE_HZ = 24000
 """Rate assumed when the decoder does not report one."""
 
 
+_DECODER_DETAILS_CHARS = 400
+_FIELD = re.compile(r"([A-Za-z_][\w.\[\]]*): ")
+
+
 class DecoderRejectedError(OmniError):
     """The decoder refused a request as malformed (its message names the field)."""
 
     code = grpc.StatusCode.INVALID_ARGUMENT
 
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class DecoderFailedError(OmniError):
+    """The decoder failed a request for a reason that is not the client's (INTERNAL)."""
+
 
 _ERRORS_BY_CODE: dict[grpc.StatusCode, type[OmniError]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: DecoderRejectedError,
     grpc.StatusCode.NOT_FOUND: NotFoundError,
     grpc.StatusCode.ALREADY_EXISTS: AlreadyExistsError,
     grpc.StatusCode.FAILED_PRECONDITION: FailedPreconditionError,
@@ -49,13 +72,35 @@ _ERRORS_BY_CODE: dict[grpc.StatusCode, type[OmniError]] = {
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
     grpc.StatusCode.ABORTED: AbortedError,
     grpc.StatusCode.CANCELLED: AbortedError,
+    grpc.StatusCode.OUT_OF_RANGE: OutOfRangeError,
 }
 
 
 def decoder_error(exc: grpc.aio.AioRpcError, target: str) -> OmniError:
-    """The shared exception for a failed decoder call; unknown codes become INTERNAL."""
-    cls = _ERRORS_BY_CODE.get(exc.code(), OmniError)
-    return cls(f"decoder at {target}: {exc.code().name}: {exc.details()}")
+    """The shared exception for a failed decoder call, with a message fit for the client.
+
+    Known conditions keep their code and the decoder's sanitized details
+    (``decoder: INVALID_ARGUMENT: text: is 5000 tokens ...``). UNKNOWN,
+    INTERNAL and any other code become INTERNAL with a generic message; the
+    details are logged here, with the decoder's address.
+    """
+    code = exc.code()
+    details = exc.details() or ""
+    name = code.name if isinstance(code, grpc.StatusCode) else str(code)
+    if code is grpc.StatusCode.INVALID_ARGUMENT:
+        text = sanitize_message(details, _DECODER_DETAILS_CHARS)
+        match = _FIELD.match(text)
+        return DecoderRejectedError(
+            f"decoder: INVALID_ARGUMENT: {text}", match.group(1) if match else None
+        )
+    cls = _ERRORS_BY_CODE.get(code) if isinstance(code, grpc.StatusCode) else None
+    if cls is None:
+        logger.error("decoder at %s failed a call: %s: %s", target, name, details)
+        return DecoderFailedError(
+            f"decoder: failed the request ({name}); the gateway log has the details"
+        )
+    logger.info("decoder at %s answered %s: %s", target, name, details)
+    return cls(f"decoder: {name}: {sanitize_message(details, _DECODER_DETAILS_CHARS)}")
 
 
 @dataclass(frozen=True)
@@ -91,26 +136,55 @@ class DecoderClient:
         self.target = client_target(target)
         # client_options: message size limits matching the servers, and
         # keepalive so a dead decoder is noticed on an idle channel.
-        self._channel = grpc.aio.insecure_channel(self.target, options=client_options())
+        # fast_reconnect_options: back within ~1 s of a restarted decoder.
+        self._channel = grpc.aio.insecure_channel(
+            self.target, options=client_options() + fast_reconnect_options()
+        )
         self._stub = decoder_pb2_grpc.DecoderServiceStub(self._channel)
+        self._health = health_pb2_grpc.HealthStub(self._channel)
         self._info_ttl_s = info_ttl_s
         self._info_timeout_s = info_timeout_s
         self._abort_timeout_s = abort_timeout_s
         self._info: DecoderInfo | None = None
         self._info_time = 0.0
 
-    async def info(self, *, refresh: bool = False) -> DecoderInfo:
+    async def info(self, *, refresh: bool = False, timeout_s: float | None = None) -> DecoderInfo:
         """Decoder info, cached for `info_ttl_s` (UnavailableError if unreachable)."""
         now = asyncio.get_running_loop().time()
         if refresh or self._info is None or now - self._info_time > self._info_ttl_s:
             try:
                 pb = await self._stub.GetDecoderInfo(
-                    decoder_pb2.GetDecoderInfoRequest(), timeout=self._info_timeout_s
+                    decoder_pb2.GetDecoderInfoRequest(),
+                    timeout=self._info_timeout_s if timeout_s is None else timeout_s,
                 )
             except grpc.aio.AioRpcError as exc:
                 raise decoder_error(exc, self.target) from exc
             self._info, self._info_time = DecoderInfo.from_pb(pb), now
         return self._info
+
+    async def probe(self, timeout_s: float) -> str | None:
+        """One health check of the decoder; None if it is SERVING, else why not.
+
+        Uses grpc.health.v1 on the request channel, so it also exercises the
+        channel's reconnects. A decoder without the health service counts as
+        up when it answers `GetDecoderInfo` (which also refreshes the cache).
+        """
+        try:
+            response = await self._health.Check(
+                health_pb2.HealthCheckRequest(service=""), timeout=timeout_s
+            )
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() is not grpc.StatusCode.UNIMPLEMENTED:
+                return f"{exc.code().name}: {exc.details()}"
+        else:
+            if response.status == health_pb2.HealthCheckResponse.SERVING:
+                return None
+            return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+        try:
+            await self.info(refresh=True, timeout_s=timeout_s)
+        except OmniError as exc:
+            return str(exc)
+        return None
 
     def generate(self, request: decoder_pb2.GenerateRequest) -> grpc.aio.UnaryStreamCall:
         """Start a decoder stream; iterate it, and translate AioRpcError with `decoder_error`."""
@@ -138,6 +212,7 @@ class DecoderClient:
 __all__ = [
     "DEFAULT_SAMPLE_RATE_HZ",
     "DecoderClient",
+    "DecoderFailedError",
     "DecoderInfo",
     "DecoderRejectedError",
     "decoder_error",

@@ -85,6 +85,8 @@ class GatewayEngine:
         self.admission = Admission(max_concurrent)
         self.processor = processor or OutputProcessor(clock=clock)
         self._clock = clock
+        # Room for a SpeakResponse's other fields (ids, metrics) next to its audio.
+        self._max_chunk_audio_bytes = max(2, (self.limits.max_response_bytes - 4096) // 2 * 2)
 
     async def decoder_info(self) -> DecoderInfo:
         return await self.decoder.info()
@@ -132,25 +134,29 @@ class GatewayEngine:
                         audio = pcm16le(tensor)
                 if not audio and not output.finished:
                     continue
-                now = self._clock()
-                if audio and first_packet is None:
-                    first_packet = now
-                    metrics.TTFP_SECONDS.observe(now - start)
-                samples += len(audio) // 2
-                chunk_metrics = _speech_metrics(
-                    output.metrics, start, first_packet, now, samples, rate
-                )
-                if output.finished and chunk_metrics.rtf:
-                    metrics.RTF.observe(chunk_metrics.rtf)
-                yield AudioChunk(
-                    request_id=request.request_id,
-                    sequence_number=sequence,
-                    audio=audio,
-                    sample_rate_hz=rate,
-                    final=output.finished,
-                    metrics=chunk_metrics,
-                )
-                sequence += 1
+                # A decoder step may carry more audio than one response may: split it.
+                pieces = _split(audio, self._max_chunk_audio_bytes)
+                for index, piece in enumerate(pieces):
+                    final = output.finished and index == len(pieces) - 1
+                    now = self._clock()
+                    if piece and first_packet is None:
+                        first_packet = now
+                        metrics.TTFP_SECONDS.observe(now - start)
+                    samples += len(piece) // 2
+                    chunk_metrics = _speech_metrics(
+                        output.metrics, start, first_packet, now, samples, rate
+                    )
+                    if final and chunk_metrics.rtf:
+                        metrics.RTF.observe(chunk_metrics.rtf)
+                    yield AudioChunk(
+                        request_id=request.request_id,
+                        sequence_number=sequence,
+                        audio=piece,
+                        sample_rate_hz=rate,
+                        final=final,
+                        metrics=chunk_metrics,
+                    )
+                    sequence += 1
 
     async def _voice(self, voice: str, info: DecoderInfo) -> str:
         """Check a voice, refreshing the cached decoder info once before refusing it."""
@@ -191,6 +197,13 @@ class GatewayEngine:
 
     async def close(self) -> None:
         await self.decoder.close()
+
+
+def _split(audio: bytes, size: int) -> list[bytes]:
+    """`audio` in pieces of at most `size` bytes (one empty piece for no audio)."""
+    if len(audio) <= size:
+        return [audio]
+    return [audio[i : i + size] for i in range(0, len(audio), size)]
 
 
 def _speech_metrics(

@@ -7,11 +7,17 @@ Routes:
   ``stream``; extension: ``seed``). Streams raw PCM16LE (``pcm``) or a WAV
   whose header carries the streaming maximum length (``wav``) with chunked
   transfer; ``"stream": false`` buffers and sends an exact WAV/PCM body.
-* ``GET /health`` - 200 when the decoder answers, 503 otherwise.
+* ``GET /health`` - 200 when the decoder is healthy (the same state as the
+  gateway's gRPC health), 503 otherwise. Never needs a token.
 * ``GET /metrics`` - Prometheus text format.
 
+With a token configured, every route but ``/health`` needs
+``Authorization: Bearer <token>``; without it the answer is 401 in OpenAI's
+shape (code ``invalid_api_key``).
+
 Errors use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``,
-with the HTTP status derived from the gRPC code `grpc_code_for` gives.
+with the HTTP status derived from the gRPC code `grpc_code_for` gives, and
+the message from `public_message` (bounded, sanitized).
 """
 
 from __future__ import annotations
@@ -20,7 +26,8 @@ import contextlib
 import json
 import logging
 import math
-from collections.abc import AsyncIterator, Mapping
+import ssl
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
 import grpc
@@ -29,9 +36,27 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.audio import AudioChunk, wav_header
 from gateway.engine import GatewayEngine
+from gateway.health import DecoderMonitor
 from gateway.servicer import CLIENT_ERRORS
-from gateway.validation import Limits, SpeechRequest, check_request_id, check_text
-from omni_common.errors import FailedPreconditionError, InvalidArgumentError, grpc_code_for
+from gateway.validation import (
+    Limits,
+    SpeechRequest,
+    check_request_id,
+    check_seed,
+    check_text,
+    check_voice_shape,
+    json_type_name,
+)
+from omni_common.errors import (
+    INTERNAL_MESSAGE,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    OmniError,
+    grpc_code_for,
+    public_message,
+    quote_value,
+)
+from omni_common.server import bearer_token_matches
 from omni_serving.v1 import common_pb2
 
 logger = logging.getLogger(__name__)
@@ -52,6 +77,7 @@ _HTTP_STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
     grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error"),
     grpc.StatusCode.ABORTED: (409, "invalid_request_error"),
     grpc.StatusCode.PERMISSION_DENIED: (403, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "invalid_request_error"),
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
     grpc.StatusCode.UNAVAILABLE: (503, "server_error"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "server_error"),
@@ -71,10 +97,27 @@ def error_response_for(exc: BaseException) -> web.Response:
     status, type_ = _HTTP_STATUS.get(code, (500, "server_error"))
     if status == 500:
         logger.error("speech request failed", exc_info=exc)
+        code = grpc.StatusCode.INTERNAL
+        message = public_message(exc) if isinstance(exc, OmniError) else INTERNAL_MESSAGE
     else:
         logger.info("speech request refused: %s: %s", code.name, exc)
-    param = exc.field if isinstance(exc, InvalidArgumentError) else None
-    return error_response(status, str(exc), type_=type_, param=param, code=code.name.lower())
+        message = public_message(exc)
+    field = getattr(exc, "field", None)
+    param = field if isinstance(field, str) else None
+    return error_response(status, message, type_=type_, param=param, code=code.name.lower())
+
+
+UNAUTHORIZED_MESSAGE = (
+    "authorization: missing or invalid bearer token (header 'Authorization: Bearer …')"
+)
+
+
+def unauthorized_response() -> web.Response:
+    response = error_response(
+        401, UNAUTHORIZED_MESSAGE, type_="invalid_request_error", param=None, code="invalid_api_key"
+    )
+    response.headers["WWW-Authenticate"] = "Bearer"
+    return response
 
 
 @dataclass(frozen=True)
@@ -94,8 +137,8 @@ def _field(
         return default
     # bool is an int: refuse it where a number is expected.
     if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-        wanted = " or ".join(t.__name__ for t in types)
-        raise InvalidArgumentError(name, f"must be {wanted}, got {type(value).__name__}")
+        wanted = " or ".join(dict.fromkeys(json_type_name(t()) for t in types))
+        raise InvalidArgumentError(name, f"must be a {wanted}, got {json_type_name(value)}")
     return value
 
 
@@ -107,25 +150,30 @@ def speech_call_from_json(body: object, limits: Limits, request_id: str | None) 
     model = _field(body, "model", (str,), "")
     if not model:
         raise InvalidArgumentError("model", "is required")
-    voice = _field(body, "voice", (str,), "")
+    voice = check_voice_shape(str(_field(body, "voice", (str,), "")))
     response_format = _field(body, "response_format", (str,), DEFAULT_RESPONSE_FORMAT)
     if response_format not in RESPONSE_FORMATS:
         raise InvalidArgumentError(
             "response_format",
-            f"unsupported format {response_format!r}; supported: {', '.join(RESPONSE_FORMATS)}",
+            f"unsupported format {quote_value(response_format)}; "
+            f"supported: {', '.join(RESPONSE_FORMATS)}",
         )
     speed = _field(body, "speed", (int, float), 1.0)
-    if not (math.isfinite(speed) and SPEED_RANGE[0] <= speed <= SPEED_RANGE[1]):
+    assert isinstance(speed, (int, float))
+    # An integer too large for a float is out of range too (math.isfinite would overflow).
+    if not (
+        abs(speed) < 1e300 and math.isfinite(speed) and SPEED_RANGE[0] <= speed <= SPEED_RANGE[1]
+    ):
         raise InvalidArgumentError(
-            "speed", f"must be between {SPEED_RANGE[0]} and {SPEED_RANGE[1]}, got {speed}"
+            "speed",
+            f"must be between {SPEED_RANGE[0]} and {SPEED_RANGE[1]}, got {quote_value(speed)}",
         )
     stream = _field(body, "stream", (bool,), True)
     seed = _field(body, "seed", (int,), None)
     sampling = None
     if seed is not None:
-        if seed < 0 or seed >= 2**64:
-            raise InvalidArgumentError("seed", f"must be in [0, 2**64), got {seed}")
-        sampling = common_pb2.SamplingParams(seed=seed)
+        assert isinstance(seed, int)
+        sampling = common_pb2.SamplingParams(seed=check_seed(seed))
     return SpeechCall(
         request=SpeechRequest(
             request_id=check_request_id(request_id or "", REQUEST_ID_HEADER),
@@ -141,9 +189,21 @@ def speech_call_from_json(body: object, limits: Limits, request_id: str | None) 
 class HttpFacade:
     """The aiohttp application and its runner."""
 
-    def __init__(self, engine: GatewayEngine) -> None:
+    def __init__(
+        self,
+        engine: GatewayEngine,
+        *,
+        monitor: DecoderMonitor | None = None,
+        auth_token: str | None = None,
+        ssl_context: ssl.SSLContext | None = None,
+    ) -> None:
         self._engine = engine
-        self.app = web.Application(middlewares=[_openai_errors])
+        self._monitor = monitor
+        self._ssl_context = ssl_context
+        middlewares = [_openai_errors]
+        if auth_token is not None:
+            middlewares.append(_bearer_auth(auth_token))
+        self.app = web.Application(middlewares=middlewares)
         self.app.router.add_post("/v1/audio/speech", self.speech)
         self.app.router.add_get("/health", self.health)
         self.app.router.add_get("/metrics", self.metrics)
@@ -156,7 +216,7 @@ class HttpFacade:
         # which closes the engine stream and aborts the decoder request.
         self._runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port)
+        site = web.TCPSite(self._runner, host, port, ssl_context=self._ssl_context)
         try:
             await site.start()
         except OSError as exc:  # address in use, host not local, ...
@@ -174,10 +234,19 @@ class HttpFacade:
             self._runner = None
 
     async def health(self, request: web.Request) -> web.Response:
+        """200 with the decoder's voices while it is healthy; 503 otherwise.
+
+        With a monitor (the gateway's), the answer is the monitor's latest
+        check, the same state gRPC health reports.
+        """
+        if self._monitor is not None and not self._monitor.healthy:
+            return web.json_response({"status": "unavailable", "decoder": "unhealthy"}, status=503)
         try:
             info = await self._engine.decoder_info()
         except CLIENT_ERRORS as exc:
-            return web.json_response({"status": "unavailable", "decoder": str(exc)}, status=503)
+            return web.json_response(
+                {"status": "unavailable", "decoder": public_message(exc)}, status=503
+            )
         return web.json_response(
             {
                 "status": "ok",
@@ -193,11 +262,12 @@ class HttpFacade:
 
     async def speech(self, request: web.Request) -> web.StreamResponse:
         try:
-            body = await request.json()
-        except json.JSONDecodeError as exc:
+            body = json.loads(await request.read())
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError, bad UTF-8, deep nesting
+            reason = exc.msg if isinstance(exc, json.JSONDecodeError) else "cannot be decoded"
             return error_response(
                 400,
-                f"body: not valid JSON: {exc}",
+                f"body: not valid JSON: {reason}",
                 type_="invalid_request_error",
                 param=None,
                 code="invalid_argument",
@@ -257,10 +327,15 @@ class HttpFacade:
             async for chunk in rest:
                 if chunk.audio:
                     await response.write(chunk.audio)
-        except CLIENT_ERRORS as exc:
+        except Exception as exc:  # noqa: BLE001  client errors and bugs alike, once headers are out
             # Headers are sent: the only honest signal left is to cut the
             # connection before the terminating chunk.
-            logger.warning("speech stream %s failed mid-stream: %s", call.request.request_id, exc)
+            if isinstance(exc, CLIENT_ERRORS):
+                logger.warning(
+                    "speech stream %s failed mid-stream: %s", call.request.request_id, exc
+                )
+            else:
+                logger.error("speech stream %s failed", call.request.request_id, exc_info=exc)
             if request.transport is not None:
                 request.transport.close()
             return response
@@ -276,9 +351,25 @@ class HttpFacade:
         }
 
 
+def _bearer_auth(
+    token: str,
+) -> Callable[[web.Request, Callable[[web.Request], Awaitable[web.StreamResponse]]], Awaitable]:
+    @web.middleware
+    async def bearer_auth(request: web.Request, handler) -> web.StreamResponse:  # noqa: ANN001
+        """Every route but /health needs ``Authorization: Bearer <token>``."""
+        if request.path == "/health" or bearer_token_matches(
+            request.headers.get("Authorization"), token
+        ):
+            return await handler(request)
+        logger.info("refused %s %s: no valid bearer token", request.method, request.path)
+        return unauthorized_response()
+
+    return bearer_auth
+
+
 @web.middleware
 async def _openai_errors(request: web.Request, handler) -> web.StreamResponse:  # noqa: ANN001
-    """aiohttp's own errors (unknown path, wrong method) in OpenAI's shape."""
+    """aiohttp's errors (unknown path, wrong method, body too large) and bugs, OpenAI-shaped."""
     try:
         return await handler(request)
     except web.HTTPException as exc:
@@ -286,10 +377,15 @@ async def _openai_errors(request: web.Request, handler) -> web.StreamResponse:  
             raise
         return error_response(
             exc.status,
-            f"{request.method} {request.path}: {exc.reason}",
-            type_="invalid_request_error",
+            f"{request.method} {quote_value(request.path)}: {exc.reason}",
+            type_="invalid_request_error" if exc.status < 500 else "server_error",
             param=None,
             code=exc.reason.lower().replace(" ", "_"),
+        )
+    except Exception as exc:  # noqa: BLE001  a bug: traceback logged, generic 500
+        logger.error("%s %s failed", request.method, request.path, exc_info=exc)
+        return error_response(
+            500, INTERNAL_MESSAGE, type_="server_error", param=None, code="internal"
         )
 
 

@@ -2,10 +2,13 @@
 
 Errors: every exception the domain raises for a client (`OmniError`, and a
 decoder `RpcError` should one escape) is mapped by `grpc_code_for` and ends
-the call with `context.abort(code, message)`. Anything else is a bug; gRPC
-reports it as UNKNOWN and logs its traceback. A cancelled call raises
-`asyncio.CancelledError` through the handler; closing the engine's stream
-(``aclosing``) sends `Abort` to the decoder.
+the call with `context.abort(code, public_message(exc))`: a bounded,
+sanitized message. Any other exception is a bug: its traceback is logged
+and the client gets INTERNAL with a generic message (never UNKNOWN, never
+the exception's text). A request that does not parse never reaches these
+methods (`MalformedRequestInterceptor` answers it with INVALID_ARGUMENT).
+A cancelled call raises `asyncio.CancelledError` through the handler;
+closing the engine's stream (``aclosing``) sends `Abort` to the decoder.
 """
 
 from __future__ import annotations
@@ -19,8 +22,12 @@ import grpc
 
 from gateway import metrics
 from gateway.engine import GatewayEngine
-from gateway.validation import generation_request_from_pb, speech_request_from_pb
-from omni_common.errors import OmniError, grpc_code_for
+from gateway.validation import (
+    check_response_size,
+    generation_request_from_pb,
+    speech_request_from_pb,
+)
+from omni_common.errors import INTERNAL_MESSAGE, OmniError, grpc_code_for, public_message
 from omni_serving.v1 import gateway_pb2, gateway_pb2_grpc
 
 logger = logging.getLogger(__name__)
@@ -46,14 +53,18 @@ class OmniGatewayService(gateway_pb2_grpc.OmniGatewayServiceServicer):
             params = generation_request_from_pb(request, self._engine.limits)
             async with contextlib.aclosing(self._engine.generate(params)) as outputs:
                 async for output in outputs:
-                    await context.write(
-                        gateway_pb2.OmniGatewayServiceGenerateResponse(output=output.to_pb())
+                    response = gateway_pb2.OmniGatewayServiceGenerateResponse(output=output.to_pb())
+                    check_response_size(
+                        response.ByteSize(), params.output_kind, self._engine.limits
                     )
+                    await context.write(response)
         except CLIENT_ERRORS as exc:
             await _abort(context, "Generate", exc)
         except asyncio.CancelledError:
             metrics.REQUESTS.labels(api="Generate", code="CANCELLED").inc()
             raise
+        except Exception as exc:  # noqa: BLE001  a bug: logged with its traceback, INTERNAL
+            await _abort(context, "Generate", exc, bug=True)
         metrics.REQUESTS.labels(api="Generate", code="OK").inc()
 
     async def Speak(
@@ -69,18 +80,33 @@ class OmniGatewayService(gateway_pb2_grpc.OmniGatewayServiceServicer):
         except asyncio.CancelledError:
             metrics.REQUESTS.labels(api="Speak", code="CANCELLED").inc()
             raise
+        except Exception as exc:  # noqa: BLE001  a bug: logged with its traceback, INTERNAL
+            await _abort(context, "Speak", exc, bug=True)
         metrics.REQUESTS.labels(api="Speak", code="OK").inc()
 
 
-async def _abort(context: grpc.aio.ServicerContext, api: str, exc: BaseException) -> None:
-    """End the call with the status `grpc_code_for` picks (raises grpc's AbortError)."""
-    code = grpc_code_for(exc)
+async def _abort(
+    context: grpc.aio.ServicerContext, api: str, exc: BaseException, *, bug: bool = False
+) -> None:
+    """End the call with the status `grpc_code_for` picks (raises grpc's AbortError).
+
+    A `bug` (an exception outside `CLIENT_ERRORS`) is INTERNAL whatever its
+    type: a ValueError from our own code is not the client's mistake.
+    """
+    code = grpc.StatusCode.INTERNAL if bug else grpc_code_for(exc)
+    if not isinstance(code, grpc.StatusCode) or code in (
+        grpc.StatusCode.OK,
+        grpc.StatusCode.UNKNOWN,
+    ):
+        code = grpc.StatusCode.INTERNAL
     if code is grpc.StatusCode.INTERNAL:
         logger.error("%s failed", api, exc_info=exc)
+        message = public_message(exc) if isinstance(exc, OmniError) else INTERNAL_MESSAGE
     else:
         logger.info("%s refused: %s: %s", api, code.name, exc)
+        message = public_message(exc)
     metrics.REQUESTS.labels(api=api, code=code.name).inc()
-    await context.abort(code, str(exc))
+    await context.abort(code, message)
 
 
 def registrar(engine: GatewayEngine) -> Callable[[grpc.aio.Server], None]:

@@ -2,25 +2,46 @@
 
 Every refusal is an `InvalidArgumentError` whose message starts with the
 offending field's name as the client spelled it (``text`` in Speak,
-``prompt`` in Generate, ``input`` over HTTP). Checks that need the decoder
-(voices, native sample rate) take its `DecoderInfo`.
+``prompt`` in Generate, ``input`` over HTTP) and quotes at most a short
+prefix of the value (`quote_value`). Checks that need the decoder (voices,
+native sample rate) take its `DecoderInfo`.
+
+Sampling parameters are checked against what the vLLM engine accepts
+(vllm/sampling_params.py, ``SamplingParams._verify_args``), so a request
+the gateway admits is not refused deep in the engine:
+
+* ``temperature``: finite, in [0, 2] (0 = greedy);
+* ``top_p``: finite, in [0, 1] (0 or 1 = off; the decoder sends 0 as 1);
+* ``top_k``: >= 0 (0 = off; vLLM caps values above the vocabulary);
+* ``max_tokens``: any uint32 (0 = the decoder's default); the decoder
+  refuses prompt + max_tokens beyond the model's context (INVALID_ARGUMENT);
+* ``seed``: below 2**63, the range every engine's int64 seed arithmetic holds.
 """
 
 from __future__ import annotations
 
+import math
 import uuid
 from dataclasses import dataclass
 
 from gateway.decoder_client import DecoderInfo
 from gateway.output_processor import OutputKind
-from omni_common.errors import InvalidArgumentError
+from omni_common.errors import InvalidArgumentError, ResourceExhaustedError, quote_value
 from omni_common.modality import OutputModality
 from omni_serving.v1 import common_pb2, decoder_pb2, gateway_pb2
 
 DEFAULT_MAX_TEXT_CHARS = 4096
+DEFAULT_MAX_RESPONSE_BYTES = 3 * 2**20
+"""Largest response message the gateway sends: below gRPC clients' default 4 MiB limit."""
 MAX_REQUEST_ID_CHARS = 128
+MAX_VOICE_CHARS = 128
+MAX_MODALITIES_CHARS = 64
 NATIVE_SAMPLE_RATE = 0
 """`sample_rate_hz` value meaning "the model's native rate"."""
+MAX_TEMPERATURE = 2.0
+"""vLLM refuses a temperature above 2."""
+MAX_SEED = 2**63 - 1
+"""Largest seed accepted: the engines hold seeds in signed 64-bit integers."""
 
 _SUPPORTED_ENCODINGS = {
     gateway_pb2.AUDIO_ENCODING_UNSPECIFIED: gateway_pb2.AUDIO_ENCODING_PCM16LE,
@@ -34,11 +55,21 @@ class Limits:
     """Bounds the gateway enforces on requests."""
 
     max_text_chars: int = DEFAULT_MAX_TEXT_CHARS
+    max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES
+    """Largest response message; see `check_response_size`."""
+
+    def __post_init__(self) -> None:
+        if self.max_text_chars < 1:
+            raise InvalidArgumentError("max_text_chars", f"must be >= 1, got {self.max_text_chars}")
+        if self.max_response_bytes < 64 * 1024:
+            raise InvalidArgumentError(
+                "max_response_bytes", f"must be >= 65536, got {self.max_response_bytes}"
+            )
 
 
 @dataclass(frozen=True)
 class SpeechRequest:
-    """A validated text-to-speech request (voice and rate still to be checked against the decoder)."""
+    """A validated text-to-speech request (voice and rate are checked against the decoder later)."""
 
     request_id: str
     text: str
@@ -75,17 +106,45 @@ def check_request_id(request_id: str, field: str = "request_id") -> str:
     return request_id
 
 
+def json_type_name(value: object) -> str:
+    """The JSON name of a decoded JSON value's type (for messages to HTTP clients)."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, (int, float)):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, (list, tuple)):
+        return "array"
+    if isinstance(value, dict):
+        return "object"
+    return "unsupported value"
+
+
+def check_unicode(text: str, field: str) -> str:
+    """Text that encodes as UTF-8 (JSON can carry unpaired surrogates; protobuf cannot)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise InvalidArgumentError(
+            field, f"is not valid Unicode: unpaired surrogate at character {exc.start}"
+        ) from None
+    return text
+
+
 def check_text(text: object, limits: Limits, field: str) -> str:
     """Non-blank text of at most `limits.max_text_chars` characters."""
     if not isinstance(text, str):
-        raise InvalidArgumentError(field, f"must be a string, got {type(text).__name__}")
-    if not text.strip():
-        raise InvalidArgumentError(field, "must not be empty")
+        raise InvalidArgumentError(field, f"must be a string, got {json_type_name(text)}")
     if len(text) > limits.max_text_chars:
         raise InvalidArgumentError(
             field, f"has {len(text)} characters; the limit is {limits.max_text_chars}"
         )
-    return text
+    if not text.strip():
+        raise InvalidArgumentError(field, "must not be empty")
+    return check_unicode(text, field)
 
 
 def check_encoding(encoding: int, field: str = "encoding") -> int:
@@ -110,20 +169,33 @@ def check_sample_rate_shape(rate: int, field: str = "sample_rate_hz") -> int:
     return rate
 
 
+def _check_float(value: float, field: str, low: float, high: float, note: str = "") -> None:
+    if not math.isfinite(value):
+        raise InvalidArgumentError(field, f"must be a finite number, got {value}")
+    if not low <= value <= high:
+        raise InvalidArgumentError(field, f"must be in [{low:g}, {high:g}]{note}, got {value:g}")
+
+
 def check_sampling_params(
     params: common_pb2.SamplingParams | None, field: str = "sampling_params"
 ) -> common_pb2.SamplingParams | None:
+    """Sampling parameters within what the engine accepts (see the module docstring)."""
     if params is None:
         return None
-    if params.temperature < 0:
-        raise InvalidArgumentError(
-            f"{field}.temperature", f"must be >= 0, got {params.temperature}"
-        )
-    if not 0 <= params.top_p <= 1:
-        raise InvalidArgumentError(f"{field}.top_p", f"must be in [0, 1], got {params.top_p}")
-    if params.top_k < -1:
-        raise InvalidArgumentError(f"{field}.top_k", f"must be >= -1, got {params.top_k}")
+    _check_float(params.temperature, f"{field}.temperature", 0.0, MAX_TEMPERATURE, " (0 = greedy)")
+    _check_float(params.top_p, f"{field}.top_p", 0.0, 1.0, " (0 or 1 = off)")
+    if params.top_k < 0:
+        raise InvalidArgumentError(f"{field}.top_k", f"must be >= 0 (0 = off), got {params.top_k}")
+    if params.HasField("seed"):
+        check_seed(params.seed, f"{field}.seed")
     return params
+
+
+def check_seed(seed: int, field: str = "seed") -> int:
+    """A seed in [0, 2**63)."""
+    if not 0 <= seed <= MAX_SEED:
+        raise InvalidArgumentError(field, f"must be in [0, 2**63), got {quote_value(seed)}")
+    return seed
 
 
 def check_voice(voice: str, info: DecoderInfo, field: str = "voice") -> str:
@@ -132,8 +204,42 @@ def check_voice(voice: str, info: DecoderInfo, field: str = "voice") -> str:
         return info.voices[0] if info.voices else ""
     if voice not in info.voices:
         listed = ", ".join(info.voices) if info.voices else "none"
-        raise InvalidArgumentError(field, f"unknown voice {voice!r}; voices: {listed}")
+        raise InvalidArgumentError(field, f"unknown voice {quote_value(voice)}; voices: {listed}")
     return voice
+
+
+def check_voice_shape(voice: str, field: str = "voice") -> str:
+    """A request-only check: a voice name of plausible length (the decoder lists the rest)."""
+    if len(voice) > MAX_VOICE_CHARS:
+        raise InvalidArgumentError(
+            field, f"has {len(voice)} characters; no voice name is longer than {MAX_VOICE_CHARS}"
+        )
+    return check_unicode(voice, field)
+
+
+def check_modalities(text: str, field: str = "output_modalities") -> OutputModality:
+    """A modality set such as ``text+audio``; empty means audio."""
+    if len(text) > MAX_MODALITIES_CHARS:
+        raise InvalidArgumentError(
+            field, f"has {len(text)} characters; the limit is {MAX_MODALITIES_CHARS}"
+        )
+    return OutputModality.from_string(text or _DEFAULT_GENERATE_MODALITIES, field=field)
+
+
+def check_response_size(size: int, kind: OutputKind, limits: Limits) -> int:
+    """Refuse to send a response message over `limits.max_response_bytes`.
+
+    Only a CUMULATIVE or FINAL_ONLY output can grow that large (it carries
+    everything so far); a DELTA output carries one decoder step. The client
+    is told to ask for DELTA.
+    """
+    if size > limits.max_response_bytes:
+        raise ResourceExhaustedError(
+            f"output_kind: the {kind.name} output has reached {size} bytes, over the gateway's "
+            f"limit of {limits.max_response_bytes} bytes per message; request OUTPUT_KIND_DELTA "
+            "and concatenate the deltas"
+        )
+    return size
 
 
 def check_sample_rate(rate: int, info: DecoderInfo, field: str = "sample_rate_hz") -> int:
@@ -156,7 +262,7 @@ def speech_request_from_pb(request: gateway_pb2.SpeakRequest, limits: Limits) ->
     return SpeechRequest(
         request_id=check_request_id(request.request_id),
         text=check_text(request.text, limits, "text"),
-        voice=request.voice,
+        voice=check_voice_shape(request.voice),
         sample_rate_hz=check_sample_rate_shape(request.sample_rate_hz),
         encoding=check_encoding(request.encoding),
         sampling_params=check_sampling_params(
@@ -172,11 +278,9 @@ def generation_request_from_pb(
     return GenerationRequest(
         request_id=check_request_id(request.request_id),
         prompt=check_text(request.prompt, limits, "prompt"),
-        output_modality=OutputModality.from_string(
-            request.output_modalities or _DEFAULT_GENERATE_MODALITIES, field="output_modalities"
-        ),
+        output_modality=check_modalities(request.output_modalities),
         output_kind=OutputKind.from_proto(request.output_kind),
-        voice=request.voice,
+        voice=check_voice_shape(request.voice),
         sampling_params=check_sampling_params(
             request.sampling_params if request.HasField("sampling_params") else None
         ),
@@ -204,17 +308,26 @@ def decoder_request(
 
 
 __all__ = [
+    "DEFAULT_MAX_RESPONSE_BYTES",
     "DEFAULT_MAX_TEXT_CHARS",
+    "MAX_SEED",
+    "MAX_TEMPERATURE",
     "NATIVE_SAMPLE_RATE",
     "GenerationRequest",
     "Limits",
     "SpeechRequest",
     "check_encoding",
+    "check_modalities",
     "check_request_id",
+    "check_response_size",
     "check_sample_rate",
     "check_sampling_params",
+    "check_seed",
     "check_text",
+    "check_unicode",
     "check_voice",
+    "check_voice_shape",
+    "json_type_name",
     "decoder_request",
     "generation_request_from_pb",
     "speech_request_from_pb",

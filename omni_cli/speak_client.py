@@ -4,12 +4,20 @@ Audio is written as it arrives (PCM16 mono, `wave` fixes the header sizes on
 close), with a progress bar of audio seconds on stderr when stderr is a TTY.
 TTFP and RTF are measured here, as the client sees them; the gateway's own
 figures (gRPC only) are returned alongside.
+
+A gateway that requires a token gets it as ``authorization: Bearer <token>``
+(gRPC metadata or HTTP header): from `token`, else from the environment
+variable ``OMNI_GATEWAY_TOKEN``. A TLS gateway is dialled with the CA
+certificate in `tls_ca` (else ``OMNI_GATEWAY_TLS_CA``); over HTTP an
+``https://`` URL does the same.
 """
 
 from __future__ import annotations
 
 import http.client
 import json
+import os
+import ssl
 import sys
 import time
 import urllib.error
@@ -29,6 +37,8 @@ DEFAULT_SAMPLE_RATE_HZ = 24000
 BYTES_PER_SAMPLE = 2
 HTTP_MODEL = "omni"
 _HTTP_READ_BYTES = 8192
+TOKEN_ENV = "OMNI_GATEWAY_TOKEN"
+TLS_CA_ENV = "OMNI_GATEWAY_TLS_CA"
 
 
 class SpeakClientError(RuntimeError):
@@ -48,15 +58,60 @@ class _Chunk:
     server_metrics: common_pb2.RequestMetrics | None = None
 
 
-def _grpc_chunks(target: str, text: str, voice: str, seed: int | None) -> Iterator[_Chunk]:
+@dataclass(frozen=True)
+class Access:
+    """How to reach a gateway that requires TLS and/or a token."""
+
+    token: str | None = None
+    tls_ca: str | None = None
+    """PEM file of the CA that signed the gateway's certificate: dial TLS."""
+    tls_server_name: str | None = None
+    """The name in the gateway's certificate, when not the target's host."""
+
+    @classmethod
+    def resolve(
+        cls, token: str | None, tls_ca: str | None, tls_server_name: str | None = None
+    ) -> Access:
+        """Explicit values, else the environment (OMNI_GATEWAY_TOKEN, OMNI_GATEWAY_TLS_CA)."""
+        return cls(
+            token=token or os.environ.get(TOKEN_ENV) or None,
+            tls_ca=tls_ca or os.environ.get(TLS_CA_ENV) or None,
+            tls_server_name=tls_server_name,
+        )
+
+    @property
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.token}"),) if self.token else ()
+
+    def channel(self, target: str) -> grpc.Channel:
+        # client_options: large-message limits and keepalive matching the servers.
+        options: list[tuple[str, int | str]] = list(client_options())
+        if self.tls_ca is None:
+            return grpc.insecure_channel(client_target(target), options=options)
+        try:
+            with open(self.tls_ca, "rb") as f:
+                root = f.read()
+        except OSError as exc:
+            raise SpeakClientError("INVALID_ARGUMENT", f"tls_ca: {exc}") from exc
+        if self.tls_server_name:
+            options.append(("grpc.ssl_target_name_override", self.tls_server_name))
+        credentials = grpc.ssl_channel_credentials(root_certificates=root)
+        return grpc.secure_channel(client_target(target), credentials, options=options)
+
+    def ssl_context(self) -> ssl.SSLContext | None:
+        return ssl.create_default_context(cafile=self.tls_ca) if self.tls_ca else None
+
+
+def _grpc_chunks(
+    target: str, text: str, voice: str, seed: int | None, access: Access
+) -> Iterator[_Chunk]:
     request = gateway_pb2.SpeakRequest(text=text, voice=voice)
     if seed is not None:
         request.sampling_params.seed = seed
-    # client_options: large-message limits and keepalive matching the servers.
-    with grpc.insecure_channel(client_target(target), options=client_options()) as channel:
+    with access.channel(target) as channel:
         stub = gateway_pb2_grpc.OmniGatewayServiceStub(channel)
         try:
-            for response in stub.Speak(request):
+            for response in stub.Speak(request, metadata=access.metadata):
                 yield _Chunk(
                     response.audio,
                     response.sample_rate_hz or DEFAULT_SAMPLE_RATE_HZ,
@@ -86,7 +141,9 @@ def _http_error(exc: urllib.error.HTTPError) -> SpeakClientError:
     return SpeakClientError(str(exc.code), str(message))
 
 
-def _http_chunks(http_url: str, text: str, voice: str, seed: int | None) -> Iterator[_Chunk]:
+def _http_chunks(
+    http_url: str, text: str, voice: str, seed: int | None, access: Access
+) -> Iterator[_Chunk]:
     body: dict[str, object] = {
         "model": HTTP_MODEL,
         "input": text,
@@ -96,14 +153,16 @@ def _http_chunks(http_url: str, text: str, voice: str, seed: int | None) -> Iter
     }
     if seed is not None:
         body["seed"] = seed
+    headers = {"Content-Type": "application/json"}
+    if access.token:
+        headers["Authorization"] = f"Bearer {access.token}"
     request = urllib.request.Request(
-        speech_url(http_url),
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-        method="POST",
+        speech_url(http_url), data=json.dumps(body).encode(), headers=headers, method="POST"
     )
     try:
-        response = urllib.request.urlopen(request)  # noqa: S310 (URL given by the user)
+        response = urllib.request.urlopen(  # noqa: S310 (URL given by the user)
+            request, context=access.ssl_context()
+        )
     except urllib.error.HTTPError as exc:
         raise _http_error(exc) from exc
     except urllib.error.URLError as exc:
@@ -137,9 +196,14 @@ def speak(
     seed: int | None = None,
     http_url: str | None = None,
     progress: bool = True,
+    token: str | None = None,
+    tls_ca: str | None = None,
+    tls_server_name: str | None = None,
 ) -> dict:
     """Speak `text` through the gateway at `target` (or `http_url`) into a WAV at `out_path`.
 
+    `token` (else env OMNI_GATEWAY_TOKEN) is sent as a bearer token;
+    `tls_ca` (else env OMNI_GATEWAY_TLS_CA) dials the gateway over TLS.
     Returns request id, path, sample rate, samples, audio seconds, chunks,
     client-side ``ttfp_ms`` and ``rtf`` (and ``server_ttfp_ms`` /
     ``server_rtf`` from the gateway's final chunk over gRPC), and prints a
@@ -147,10 +211,11 @@ def speak(
     """
     out_path = Path(out_path)
     start = time.perf_counter()
+    access = Access.resolve(token, tls_ca, tls_server_name)
     chunks = (
-        _http_chunks(http_url, text, voice, seed)
+        _http_chunks(http_url, text, voice, seed, access)
         if http_url
-        else _grpc_chunks(target, text, voice, seed)
+        else _grpc_chunks(target, text, voice, seed, access)
     )
     bar = tqdm(
         desc="audio",
@@ -221,4 +286,4 @@ def speak(
     return result
 
 
-__all__ = ["SpeakClientError", "speak", "speech_url"]
+__all__ = ["Access", "SpeakClientError", "speak", "speech_url"]

@@ -3,11 +3,26 @@
 Every error a client can cause names the offending field. `grpc_code_for`
 is the single place that decides which gRPC status code an exception gets;
 servicers call it instead of choosing codes themselves.
+
+`public_message` is the single place that decides what text a client sees
+for an exception: bounded in length, one line, with socket addresses, file
+paths and Python type names taken out (they stay in the server's log).
+Messages that quote a client's value use `quote_value`, which keeps only a
+short prefix of it.
 """
 
 from __future__ import annotations
 
+import re
+
 import grpc
+
+MAX_MESSAGE_CHARS = 512
+"""Longest status message a client is sent (gRPC details or an HTTP error message)."""
+MAX_QUOTED_CHARS = 40
+"""Longest prefix of a client's value quoted back in an error message."""
+INTERNAL_MESSAGE = "internal error; the server log has the details"
+"""What a client is told about a failure that is not its mistake and not a known condition."""
 
 
 class OmniError(Exception):
@@ -104,3 +119,69 @@ def grpc_code_for(exc: BaseException) -> grpc.StatusCode:
     if isinstance(exc, (ConnectionError, BrokenPipeError)):
         return grpc.StatusCode.UNAVAILABLE
     return grpc.StatusCode.INTERNAL
+
+
+def quote_value(value: object, limit: int = MAX_QUOTED_CHARS) -> str:
+    """`value` quoted for an error message: repr-escaped, cut to `limit` characters plus "…".
+
+    Control characters and unpaired surrogates come out escaped, so the result
+    is always printable UTF-8 whatever the client sent.
+    """
+    text = value if isinstance(value, str) else str(value)
+    out = repr(text[:limit])
+    if len(out) > limit + 2:  # escapes made it longer than the prefix
+        out = out[: limit + 1] + out[0]
+    return out + ("…" if len(text) > limit else "")
+
+
+_REDACTIONS: tuple[tuple[re.Pattern[str], str], ...] = (
+    # Python reprs: <class 'pkg.mod.Name'>, <pkg.Name object at 0x7f...>
+    (re.compile(r"<class '[^'>]*'>"), "[type]"),
+    (re.compile(r"<[\w.]+ object at 0x[0-9a-fA-F]+>"), "[object]"),
+    # gRPC targets and resolved addresses: unix:///run/x.sock, ipv4:10.0.0.5:50051, ...
+    (
+        re.compile(
+            r"\b(?:unix-abstract|unix|ipv4|ipv6|dns|vsock):(?:[^\s,;'\"()\[\]]*[^\s,;:'\"()\[\]])?"
+        ),
+        "[address]",
+    ),
+    # Absolute file paths with at least two components: /tmp/omni/decoder.sock
+    (re.compile(r"(?<![\w/.~-])/[^\s/'\",;:()\[\]]+(?:/[^\s/'\",;:()\[\]]*)+"), "[path]"),
+    # Qualified Python names: vllm.v1.engine.exceptions.EngineDeadError
+    (re.compile(r"\b[A-Za-z_]\w*(?:\.[A-Za-z_]\w*)+\.[A-Z]\w*(?:Error|Exception)\b"), "[type]"),
+    (re.compile(r"\b[a-z_]\w*(?:\.[a-z_]\w*)+\.[A-Z]\w*\b"), "[type]"),
+)
+_CONTROL = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]+")
+_SPACES = re.compile(r"\s{2,}")
+
+
+def sanitize_message(text: str, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """`text` made fit for a client: one line, at most `limit` characters, no internals.
+
+    Socket addresses, absolute paths, Python reprs and qualified class names
+    are replaced by placeholders; control characters become spaces;
+    unpaired surrogates are escaped (gRPC sends details as UTF-8).
+    """
+    for pattern, placeholder in _REDACTIONS:
+        text = pattern.sub(placeholder, text)
+    text = _SPACES.sub(" ", _CONTROL.sub(" ", text)).strip()
+    text = text.encode("utf-8", "backslashreplace").decode("utf-8")
+    if len(text) > limit:
+        text = text[: limit - 1].rstrip() + "…"
+    return text
+
+
+def public_message(exc: BaseException, limit: int = MAX_MESSAGE_CHARS) -> str:
+    """The message a client is sent for `exc` (see `sanitize_message`).
+
+    Our own errors and plain client errors keep their (sanitized) text; an
+    unexpected exception, a bug, gets `INTERNAL_MESSAGE` and nothing of its own.
+    """
+    if not isinstance(exc, OmniError) and grpc_code_for(exc) is grpc.StatusCode.INTERNAL:
+        return INTERNAL_MESSAGE
+    if isinstance(exc, grpc.RpcError) and hasattr(exc, "details"):
+        details = exc.details()
+        text = details if isinstance(details, str) else ""
+    else:
+        text = str(exc)
+    return sanitize_message(text, limit) or INTERNAL_MESSAGE

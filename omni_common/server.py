@@ -14,28 +14,44 @@ shutdown on SIGTERM/SIGINT:
 Addresses are ``unix:///abs/path.sock``, ``unix:relative/path.sock`` or
 ``host:port`` (port 0 picks a free port). `build_server` returns the address
 a client should dial, with the real port filled in.
+
+Optional, per service (`ServerConfig`): TLS from a certificate and key file
+(`TlsFiles`), server interceptors (`BearerTokenInterceptor` requires a
+token on every method but health; `MalformedRequestInterceptor` answers a
+request that does not parse with INVALID_ARGUMENT instead of UNKNOWN), and
+health that starts NOT_SERVING until the service says otherwise
+(`set_health`), for services whose readiness depends on another one.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
+import hmac
+import inspect
 import logging
 import os
+import re
 import signal
 import socket
 import stat
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import TypeAlias
+from typing import Any, TypeAlias
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
 from grpc_reflection.v1alpha import reflection
 
-from omni_common.errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
+from omni_common.errors import (
+    FailedPreconditionError,
+    InvalidArgumentError,
+    UnavailableError,
+    sanitize_message,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -63,6 +79,46 @@ _WILDCARD_HOSTS = frozenset({"", "*", "0.0.0.0", "::", "[::]", "localhost"})
 # Schemes a client target may already carry; passed through unchanged.
 _CLIENT_SCHEMES = ("dns:", "ipv4:", "ipv6:", "unix-abstract:", "vsock:")
 
+# Reconnect backoff for channels to a peer that is expected back quickly (a
+# restarted local service). gRPC's defaults (1 s initial, x1.6, up to 120 s)
+# leave a client failing for many seconds after its peer is back.
+_FAST_RECONNECT_INITIAL_MS = 100
+_FAST_RECONNECT_MAX_MS = 1000
+# gRPC core reads this one as the deadline of one connection attempt
+# (default 20 s): a hung attempt must not outlast the backoff above by much.
+_FAST_RECONNECT_CONNECT_TIMEOUT_MS = 1000
+
+HEALTH_METHOD_PREFIX = "/grpc.health.v1.Health/"
+"""Methods of the standard health service; left open by `BearerTokenInterceptor`."""
+
+
+@dataclass(frozen=True)
+class TlsFiles:
+    """A server certificate chain and its private key, PEM files."""
+
+    cert_path: str
+    key_path: str
+
+    def read(self) -> tuple[bytes, bytes]:
+        """(certificate chain, private key); FailedPreconditionError naming an unreadable file."""
+        out = []
+        for what, path in (("certificate", self.cert_path), ("key", self.key_path)):
+            try:
+                with open(path, "rb") as f:
+                    data = f.read()
+            except OSError as exc:
+                raise FailedPreconditionError(
+                    f"TLS {what} {path}: cannot read it: {exc.strerror}"
+                ) from exc
+            if b"-----BEGIN" not in data:
+                raise FailedPreconditionError(f"TLS {what} {path}: not a PEM file")
+            out.append(data)
+        return out[0], out[1]
+
+    def server_credentials(self) -> grpc.ServerCredentials:
+        cert, key = self.read()
+        return grpc.ssl_server_credentials([(key, cert)])
+
 
 @dataclass
 class ServerConfig:
@@ -78,6 +134,14 @@ class ServerConfig:
     """Largest message accepted or sent, in either direction."""
     reflection_service_names: Sequence[str] = ()
     """Full names of the registered services to expose through reflection."""
+    max_receive_message_bytes: int | None = None
+    """Largest request accepted, when below `max_message_bytes` (a front end's small requests)."""
+    tls: TlsFiles | None = None
+    """Serve TLS with this certificate and key instead of plaintext."""
+    interceptors: Sequence[grpc.aio.ServerInterceptor] = ()
+    """Server interceptors, outermost first."""
+    serving_at_start: bool = True
+    """Health SERVING once started; False leaves NOT_SERVING until `set_health` says so."""
 
     def __post_init__(self) -> None:
         _parse_address(self.address)  # refuse a malformed address before anything starts
@@ -89,6 +153,15 @@ class ServerConfig:
             raise InvalidArgumentError(
                 "max_message_bytes", f"must be > 0, got {self.max_message_bytes}"
             )
+        if self.max_receive_message_bytes is not None and self.max_receive_message_bytes <= 0:
+            raise InvalidArgumentError(
+                "max_receive_message_bytes", f"must be > 0, got {self.max_receive_message_bytes}"
+            )
+
+    @property
+    def health_names(self) -> tuple[str, ...]:
+        """The health entries this service reports: the server as a whole ("") and its name."""
+        return tuple(dict.fromkeys(["", self.service_name]))
 
 
 @dataclass(frozen=True)
@@ -146,13 +219,15 @@ def client_target(address: str) -> str:
     return f"{_dial_host(parsed.host)}:{parsed.port}"
 
 
-def server_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[tuple[str, int]]:
+def server_options(
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES, max_receive_message_bytes: int | None = None
+) -> list[tuple[str, int]]:
     """Channel arguments for a service's server, each with the reason it is set."""
     return [
         # gRPC refuses incoming messages above 4 MiB by default. Inline tensors
         # (audio chunks, codec codes, latents) exceed that, so raise the limit;
         # keep it finite so one bad request cannot make us buffer gigabytes.
-        ("grpc.max_receive_message_length", max_message_bytes),
+        ("grpc.max_receive_message_length", max_receive_message_bytes or max_message_bytes),
         # Same bound for what we send, so a response that would be refused by
         # a peer using the same limit fails here, with our error, instead.
         ("grpc.max_send_message_length", max_message_bytes),
@@ -185,6 +260,190 @@ def client_options(max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES) -> list[t
         ("grpc.keepalive_timeout_ms", _KEEPALIVE_TIMEOUT_MS),
         ("grpc.keepalive_permit_without_calls", 1),
     ]
+
+
+def fast_reconnect_options() -> list[tuple[str, int]]:
+    """Channel arguments for a client that must be back within about a second of its peer.
+
+    Reconnect attempts start 100 ms after a failure and are at most 1 s
+    apart (plus gRPC's 20 % jitter); one attempt may take at most 1 s. For
+    local peers (a Unix socket, a container on the same network), where a
+    failed connect fails at once, this costs nothing.
+    """
+    return [
+        ("grpc.initial_reconnect_backoff_ms", _FAST_RECONNECT_INITIAL_MS),
+        ("grpc.max_reconnect_backoff_ms", _FAST_RECONNECT_MAX_MS),
+        ("grpc.min_reconnect_backoff_ms", _FAST_RECONNECT_CONNECT_TIMEOUT_MS),
+    ]
+
+
+# ---------------------------------------------------------------------------
+# Interceptors.
+
+
+_BEARER = re.compile(r"\s*bearer\s+(\S+)\s*", re.IGNORECASE)
+
+
+def _digest(text: str) -> bytes:
+    return hashlib.sha256(text.encode("utf-8", "surrogatepass")).digest()
+
+
+def bearer_token_matches(header: str | bytes | None, token: str) -> bool:
+    """Whether an ``Authorization`` value is ``Bearer <token>``; constant time in the token.
+
+    Both sides are hashed first, so neither the comparison time nor an early
+    exit on length tells a caller anything about the expected token.
+    """
+    if header is None:
+        return False
+    if isinstance(header, bytes):
+        header = header.decode("utf-8", "surrogateescape")
+    match = _BEARER.fullmatch(header)
+    presented = match.group(1) if match else ""
+    return hmac.compare_digest(_digest(presented), _digest(token)) and bool(match)
+
+
+def _same_kind_handler(
+    handler: grpc.RpcMethodHandler,
+    behavior: Callable[..., Any],
+    request_deserializer: Callable[[bytes], Any] | None,
+) -> grpc.RpcMethodHandler:
+    """A handler of the same streaming kind as `handler`, with a new behaviour."""
+    if handler.request_streaming and handler.response_streaming:
+        make = grpc.stream_stream_rpc_method_handler
+    elif handler.request_streaming:
+        make = grpc.stream_unary_rpc_method_handler
+    elif handler.response_streaming:
+        make = grpc.unary_stream_rpc_method_handler
+    else:
+        make = grpc.unary_unary_rpc_method_handler
+    return make(
+        behavior,
+        request_deserializer=request_deserializer,
+        response_serializer=handler.response_serializer,
+    )
+
+
+def _aborting(code: grpc.StatusCode, message: str) -> Callable[..., Awaitable[None]]:
+    async def abort(request: object, context: grpc.aio.ServicerContext) -> None:
+        await context.abort(code, message)
+
+    return abort
+
+
+class BearerTokenInterceptor(grpc.aio.ServerInterceptor):
+    """Every call must carry ``authorization: Bearer <token>`` metadata; health stays open.
+
+    A call without it, or with another token, ends with UNAUTHENTICATED
+    before its request is even parsed.
+    """
+
+    MESSAGE = "authorization: missing or invalid bearer token (metadata 'authorization: Bearer …')"
+
+    def __init__(self, token: str, *, open_prefixes: Sequence[str] = (HEALTH_METHOD_PREFIX,)):
+        if not token:
+            raise InvalidArgumentError("token", "must not be empty")
+        self._token = token
+        self._open_prefixes = tuple(open_prefixes)
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        method = handler_call_details.method or ""
+        handler = await continuation(handler_call_details)
+        if handler is None or method.startswith(self._open_prefixes):
+            return handler
+        header = None
+        for key, value in handler_call_details.invocation_metadata or ():
+            if key.lower() == "authorization":
+                header = value
+                break
+        if bearer_token_matches(header, self._token):
+            return handler
+        logger.info("refused %s: no valid bearer token", method)
+        return _same_kind_handler(
+            handler, _aborting(grpc.StatusCode.UNAUTHENTICATED, self.MESSAGE), None
+        )
+
+
+@dataclass(frozen=True)
+class _Malformed:
+    """What the safe deserializer hands on instead of a request that does not parse."""
+
+    error: str
+
+
+class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
+    """A unary request that does not parse ends with INVALID_ARGUMENT, not UNKNOWN.
+
+    gRPC reports a failing request deserializer as UNKNOWN, with the
+    exception's class in the message. This interceptor wraps the deserializer
+    of every method whose request is a single message: a parse failure
+    becomes a marker that the wrapped behaviour answers with INVALID_ARGUMENT
+    ("request: ..."), without calling the servicer. Streaming requests are
+    left as they are.
+    """
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+            return handler
+        parse = handler.request_deserializer
+        if handler.response_streaming:
+            behavior = handler.unary_stream
+        else:
+            behavior = handler.unary_unary
+        method = handler_call_details.method or ""
+        return _same_kind_handler(handler, _checked(behavior, method), _safe(parse))
+
+
+def _safe(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
+    def deserialize(data: bytes) -> Any:
+        try:
+            return parse(data)
+        except Exception as exc:  # noqa: BLE001  any parse failure is the client's malformed bytes
+            # protobuf: "Error parsing message with type 'pkg.Name': <reason>"
+            reason = str(exc).rpartition("': ")[2] or "cannot be parsed"
+            return _Malformed(sanitize_message(reason, 120))
+
+    return deserialize
+
+
+def _malformed_message(method: str, error: str) -> str:
+    return f"request: not a valid {method.rsplit('/', 1)[-1]} request message: {error}"
+
+
+def _checked(behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
+    """`behavior`, answering a `_Malformed` request with INVALID_ARGUMENT instead."""
+    if inspect.isasyncgenfunction(behavior):
+
+        async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            if isinstance(request, _Malformed):
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, _malformed_message(method, request.error)
+                )
+            async for item in behavior(request, context):
+                yield item
+
+        return stream
+
+    async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        if isinstance(request, _Malformed):
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, _malformed_message(method, request.error)
+            )
+        result = behavior(request, context)
+        if inspect.isawaitable(result):
+            result = await result
+        return result
+
+    return call
 
 
 def _prepare_uds(path: str) -> None:
@@ -239,12 +498,16 @@ async def build_server(
     health servicer (SERVING once this returns).
     """
     parsed = _parse_address(config.address)
-    server = grpc.aio.server(options=server_options(config.max_message_bytes))
+    credentials = config.tls.server_credentials() if config.tls is not None else None
+    server = grpc.aio.server(
+        options=server_options(config.max_message_bytes, config.max_receive_message_bytes),
+        interceptors=list(config.interceptors) or None,
+    )
     register(server)
 
     # Health: NOT_SERVING until the server has started.
     health_servicer = HealthServicer()
-    health_names = dict.fromkeys(["", config.service_name])
+    health_names = config.health_names
     for name in health_names:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -261,7 +524,10 @@ async def build_server(
     else:
         bind_to = config.address
     try:
-        port = server.add_insecure_port(bind_to)
+        if credentials is not None:
+            port = server.add_secure_port(bind_to, credentials)
+        else:
+            port = server.add_insecure_port(bind_to)
     except RuntimeError as exc:  # grpc's only signal that bind() failed
         raise FailedPreconditionError(f"cannot listen on {config.address!r}: {exc}") from exc
     if parsed.uds_path is not None:
@@ -273,10 +539,24 @@ async def build_server(
         bound = f"{_dial_host(parsed.host)}:{port}"
 
     await server.start()
-    for name in health_names:
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    logger.info("%s listening on %s", config.service_name, bound)
+    if config.serving_at_start:
+        await set_health(health_servicer, health_names, serving=True)
+    logger.info("%s listening on %s%s", config.service_name, bound, " (TLS)" if credentials else "")
     return server, bound, health_servicer
+
+
+async def set_health(servicer: HealthServicer, names: Iterable[str], *, serving: bool) -> None:
+    """Report SERVING or NOT_SERVING for `names` (see `ServerConfig.health_names`).
+
+    Ignored once graceful shutdown has begun: a stopping server stays NOT_SERVING.
+    """
+    status = (
+        health_pb2.HealthCheckResponse.SERVING
+        if serving
+        else health_pb2.HealthCheckResponse.NOT_SERVING
+    )
+    for name in names:
+        await servicer.set(name, status)
 
 
 async def serve(
@@ -285,14 +565,19 @@ async def serve(
     *,
     on_shutdown: Callable[[], Awaitable[None]] | None = None,
     ready: Callable[[str], None] | None = None,
+    on_started: Callable[[grpc.aio.Server, HealthServicer], Awaitable[None]] | None = None,
 ) -> None:
     """Run a server until SIGTERM or SIGINT, then shut it down gracefully.
 
-    `ready` is called with the client address once the server is SERVING
-    and the signal handlers are in place. `on_shutdown` runs after in-flight
-    RPCs are done (or the grace period ran out).
+    `on_started` is awaited once the server has started (for services that
+    drive their own health with `set_health`). `ready` is called with the
+    client address once the server is started and the signal handlers are in
+    place. `on_shutdown` runs after in-flight RPCs are done (or the grace
+    period ran out).
     """
     server, bound, health_servicer = await build_server(config, register)
+    if on_started is not None:
+        await on_started(server, health_servicer)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     signals = (signal.SIGTERM, signal.SIGINT)
@@ -349,17 +634,37 @@ _POLL_INTERVAL_S = 0.05
 _ATTEMPT_TIMEOUT_S = 1.0
 
 
-async def wait_for_health(target: str, timeout_s: float, service: str = "") -> None:
+def _channel_args(tls_server_name: str | None) -> list[tuple[str, str]]:
+    return [("grpc.ssl_target_name_override", tls_server_name)] if tls_server_name else []
+
+
+async def wait_for_health(
+    target: str,
+    timeout_s: float,
+    service: str = "",
+    *,
+    credentials: grpc.ChannelCredentials | None = None,
+    tls_server_name: str | None = None,
+) -> None:
     """Poll `target`'s health until `service` is SERVING.
 
     Raises `UnavailableError` naming the target and the last answer seen if
-    that does not happen within `timeout_s`.
+    that does not happen within `timeout_s`. `credentials` dial a TLS server
+    (`tls_server_name`: the name its certificate carries, when not the
+    target's host).
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s
     request = health_pb2.HealthCheckRequest(service=service)
     last = "no answer"
-    async with grpc.aio.insecure_channel(client_target(target)) as channel:
+    dial = client_target(target)
+    options = _channel_args(tls_server_name)
+    channel = (
+        grpc.aio.secure_channel(dial, credentials, options=options)
+        if credentials is not None
+        else grpc.aio.insecure_channel(dial, options=options)
+    )
+    async with channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while (remaining := deadline - loop.time()) > 0:
             try:
@@ -376,12 +681,26 @@ async def wait_for_health(target: str, timeout_s: float, service: str = "") -> N
     raise _not_serving_error(target, timeout_s, last)
 
 
-def wait_for_health_sync(target: str, timeout_s: float, service: str = "") -> None:
+def wait_for_health_sync(
+    target: str,
+    timeout_s: float,
+    service: str = "",
+    *,
+    credentials: grpc.ChannelCredentials | None = None,
+    tls_server_name: str | None = None,
+) -> None:
     """Blocking `wait_for_health`, for scripts and tests without an event loop."""
     deadline = time.monotonic() + timeout_s
     request = health_pb2.HealthCheckRequest(service=service)
     last = "no answer"
-    with grpc.insecure_channel(client_target(target)) as channel:
+    dial = client_target(target)
+    options = _channel_args(tls_server_name)
+    sync_channel = (
+        grpc.secure_channel(dial, credentials, options=options)
+        if credentials is not None
+        else grpc.insecure_channel(dial, options=options)
+    )
+    with sync_channel as channel:
         stub = health_pb2_grpc.HealthStub(channel)
         while (remaining := deadline - time.monotonic()) > 0:
             try:
@@ -402,14 +721,21 @@ def wait_for_health_sync(target: str, timeout_s: float, service: str = "") -> No
 
 __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
+    "HEALTH_METHOD_PREFIX",
+    "BearerTokenInterceptor",
     "HealthServicer",
+    "MalformedRequestInterceptor",
     "ServerConfig",
+    "TlsFiles",
+    "bearer_token_matches",
     "build_server",
     "client_options",
     "client_target",
+    "fast_reconnect_options",
     "run_server",
     "serve",
     "server_options",
+    "set_health",
     "wait_for_health",
     "wait_for_health_sync",
 ]

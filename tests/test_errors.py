@@ -7,6 +7,8 @@ import pytest
 
 from omni_common.accumulation import TensorAccumulationError, TensorConsolidationError
 from omni_common.errors import (
+    INTERNAL_MESSAGE,
+    MAX_MESSAGE_CHARS,
     AbortedError,
     AlreadyExistsError,
     DeadlineExceededError,
@@ -18,6 +20,9 @@ from omni_common.errors import (
     ResourceExhaustedError,
     UnavailableError,
     grpc_code_for,
+    public_message,
+    quote_value,
+    sanitize_message,
 )
 from omni_common.modality import UnknownModalityError
 
@@ -86,3 +91,53 @@ def test_invalid_argument_names_the_field() -> None:
     assert "sampling.temperature" in str(err), str(err)
     assert str(err) == "sampling.temperature: must be >= 0, got -1", str(err)
     assert isinstance(err, ValueError)
+
+
+# ---------------------------------------------------------------------------
+# What clients are told.
+
+
+def test_quote_value_keeps_a_short_escaped_prefix() -> None:
+    assert quote_value("zed") == "'zed'"
+    long = quote_value("a" * 10_000)
+    assert long == "'" + "a" * 40 + "'…", long
+    weird = quote_value("\x00\u202e\ud800" * 30)
+    assert weird.isprintable() and len(weird) <= 43, weird
+    weird.encode("utf-8")  # no unpaired surrogate left
+    assert quote_value(10**400).endswith("…") and len(quote_value(10**400)) <= 43
+
+
+@pytest.mark.parametrize(
+    ("text", "want"),
+    [
+        ("decoder at unix:///run/omni/decoder.sock: down", "decoder at [address]: down"),
+        ("ipv4:10.0.0.5:50051: Connection refused", "[address]: Connection refused"),
+        ("cannot open /srv/models/x/config.json", "cannot open [path]"),
+        (
+            "Unexpected <class 'vllm.v1.engine.exceptions.EngineDeadError'>: x",
+            "Unexpected [type]: x",
+        ),
+        ("raised omni_common.errors.InvalidArgumentError", "raised [type]"),
+        ("<torch.Tensor object at 0x7f00aa>", "[object]"),
+        ("line one\nline two\t\x00 end", "line one line two end"),
+        ("text+audio, a/b, 1/2, sampling_params.top_p: bad", None),  # left alone
+    ],
+)
+def test_sanitize_message(text: str, want: str | None) -> None:
+    assert sanitize_message(text) == (text if want is None else want)
+
+
+def test_sanitize_message_bounds_length() -> None:
+    out = sanitize_message("x" * 5000)
+    assert len(out) == MAX_MESSAGE_CHARS and out.endswith("…")
+    assert sanitize_message("\ud800 lone").encode("utf-8")
+
+
+def test_public_message_hides_bugs() -> None:
+    assert public_message(RuntimeError("at /secret/path <class 'x.Y'>")) == INTERNAL_MESSAGE
+    assert public_message(KeyError("k")) == "'k'"
+    assert public_message(InvalidArgumentError("voice", "bad " + "v" * 900)).startswith(
+        "voice: bad"
+    )
+    assert len(public_message(InvalidArgumentError("voice", "v" * 900))) == MAX_MESSAGE_CHARS
+    assert public_message(OmniError("decoder at unix:///a/b.sock")) == "decoder at [address]"

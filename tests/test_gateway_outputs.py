@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from gateway.audio import pcm16le, wav_header
+from gateway.audio import STREAMING_WAV_DATA_BYTES, pcm16le, wav_header
 from gateway.outputs import (
     IMAGE_KEY,
     EngineOutput,
@@ -57,11 +57,12 @@ def test_image_and_speech_outputs_have_the_same_flat_shape() -> None:
     assert speech.output_modality is OutputModality.AUDIO
     assert image.output_modality is OutputModality.IMAGE
 
-    # And the same wire message type.
-    for out in (speech, image):
+    # And the same wire message type, each tensor under its own key.
+    for out, key, shape in ((speech, "audio", [48]), (image, IMAGE_KEY, [2, 3, 4, 4])):
         pb = out.to_pb()
-        assert isinstance(pb, gateway_pb2.OmniRequestOutput)
-        assert pb.multimodal.tensors[0].name in ("audio", IMAGE_KEY)
+        assert type(pb) is gateway_pb2.OmniRequestOutput
+        (named,) = pb.multimodal.tensors
+        assert named.name == key and list(named.tensor.shape) == shape, f"{named.name=}"
     assert list(speech.to_pb().output_modalities) == [payload_pb2.OUTPUT_MODALITY_AUDIO]
 
 
@@ -143,5 +144,10 @@ def test_wav_header_sizes() -> None:
     assert len(header) == 44 and header[:4] == b"RIFF" and header[8:16] == b"WAVEfmt "
     assert int.from_bytes(header[4:8], "little") == 136
     assert int.from_bytes(header[40:44], "little") == 100
+    # Streaming: the length is unknown, so both size fields hold the largest
+    # values that still fit 32 bits, and the data size is a whole number of samples.
     streaming = wav_header(24000)
-    assert int.from_bytes(streaming[4:8], "little") <= 0xFFFFFFFF
+    riff, data = (int.from_bytes(streaming[a : a + 4], "little") for a in (4, 40))
+    assert data == STREAMING_WAV_DATA_BYTES and data % 2 == 0
+    assert riff == 36 + data == 0xFFFFFFFE, f"{riff=:#x}"
+    assert streaming[:36] == wav_header(24000, data)[:36]

@@ -20,7 +20,7 @@ from fakes import FakeDecoder, FakeDecoderConfig, GatewayThread, remove_dir, sho
 from fakes.fake_decoder import audio_payload, fake_audio
 
 from gateway.audio import pcm16le
-from gateway.decoder_client import DecoderClient
+from gateway.decoder_client import DecoderClient, decoder_error
 from gateway.engine import GatewayEngine
 from gateway.output_processor import OutputProcessor
 from gateway.validation import SpeechRequest
@@ -235,6 +235,25 @@ SPEAK_ERRORS = [
         "sampling_params.top_p",
         id="top-p",
     ),
+    *[
+        pytest.param(
+            {"text": "hi", "sampling_params": common_pb2.SamplingParams(**{name: value})},
+            f"sampling_params.{name}",
+            id=f"{name}={value}",
+        )
+        for name, value in [
+            ("temperature", 2.01),  # vLLM's bound is [0, 2]
+            ("temperature", -0.5),
+            ("temperature", float("nan")),
+            ("temperature", float("inf")),
+            ("top_p", float("nan")),
+            ("top_p", float("-inf")),
+            ("top_p", -0.1),
+            ("top_k", -1),
+            ("seed", 2**63),
+        ]
+    ],
+    pytest.param({"text": "hi", "voice": "v" * 129}, "voice", id="long-voice"),
 ]
 
 
@@ -245,6 +264,56 @@ def test_speak_validation_errors(gateway: GatewayThread, fields: dict, field: st
     err = info.value
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, f"{err.code()=}, {err.details()=}"
     assert err.details().startswith(f"{field}:"), f"{err.details()=} does not name {field}"
+
+
+def test_sampling_params_at_their_bounds_are_accepted(gateway: GatewayThread) -> None:
+    for params in (
+        common_pb2.SamplingParams(temperature=2.0, top_p=1.0, top_k=2**31 - 1, seed=2**63 - 1),
+        common_pb2.SamplingParams(
+            temperature=0.0, top_p=0.0, top_k=0, seed=0, max_tokens=2**32 - 1
+        ),
+    ):
+        check_stream(speak(gateway.stub, request_id="b", text="hi", sampling_params=params), "b")
+
+
+def test_messages_are_short_and_quote_a_prefix(gateway: GatewayThread) -> None:
+    """A 10,000-character value is not echoed: the message names the field, quotes 40 chars."""
+    huge = "\u202e\x00" + "z" * 10_000
+    cases = [
+        {"text": "hi", "voice": "q" * 100 + "\n"},  # under the voice length limit: quoted
+        {"text": "hi", "voice": huge},
+        {"text": huge},
+        {"text": "hi", "request_id": huge},
+    ]
+    for fields in cases:
+        with pytest.raises(grpc.RpcError) as info:
+            speak(gateway.stub, **fields)
+        details = info.value.details()
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, details
+        assert len(details) <= 512 and "z" * 41 not in details and "q" * 41 not in details
+        assert details.isprintable(), repr(details)
+    request = gateway_pb2.OmniGatewayServiceGenerateRequest(prompt="hi", output_modalities=huge)
+    with pytest.raises(grpc.RpcError) as info:
+        list(gateway.stub.Generate(request, timeout=10))
+    assert info.value.details().startswith("output_modalities:"), info.value.details()
+    assert len(info.value.details()) <= 512
+
+
+@pytest.mark.parametrize(
+    "raw",
+    [b"\xff\xff\xff", b"\x0a\x02\xff\xfe", b"\x12" + b"\xff" * 9, b"\x08"],
+    ids=["corrupt", "bad-utf8", "bad-varint", "truncated"],
+)
+def test_malformed_protobuf_is_invalid_argument(gateway: GatewayThread, raw: bytes) -> None:
+    for method in ("Speak", "Generate"):
+        call = gateway.channel.unary_stream(f"/omni_serving.v1.OmniGatewayService/{method}")
+        with pytest.raises(grpc.RpcError) as info:
+            list(call(raw, timeout=10))
+        err = info.value
+        assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, f"{err.code()=} {err.details()=}"
+        assert err.details().startswith(f"request: not a valid {method} request message")
+        assert "<class" not in err.details() and "omni_serving.v1" not in err.details()
+    check_stream(speak(gateway.stub, request_id="after", text="hi"), "after")
 
 
 def test_unknown_voice_lists_voices(gateway: GatewayThread) -> None:
@@ -337,6 +406,162 @@ def test_decoder_failure_mid_stream_reaches_client(sock_dir: Path) -> None:
         assert [c.sequence_number for c in received] == [0, 1, 2]
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
         assert "decoder" in info.value.details() and "fake decoder failure" in info.value.details()
+
+
+@pytest.mark.parametrize(
+    ("decoder_code", "client_code"),
+    [
+        (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.INVALID_ARGUMENT),
+        (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.RESOURCE_EXHAUSTED),
+        (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL),
+        (grpc.StatusCode.INTERNAL, grpc.StatusCode.INTERNAL),
+        (grpc.StatusCode.DATA_LOSS, grpc.StatusCode.INTERNAL),
+    ],
+    ids=lambda c: c.name,
+)
+def test_decoder_status_reaches_client_sanitized(
+    sock_dir: Path, decoder_code: grpc.StatusCode, client_code: grpc.StatusCode
+) -> None:
+    config = FakeDecoderConfig(fail_after=0, fail_code=decoder_code)
+    with (
+        FakeDecoder(sock_dir / "d.sock", config) as fake,
+        GatewayThread(fake.target, sock_dir) as gw,
+    ):
+        with pytest.raises(grpc.RpcError) as info:
+            speak(gw.stub, request_id="e", text="hi")
+    err = info.value
+    assert err.code() == client_code, f"{err.code()=} {err.details()=}"
+    assert err.details().startswith("decoder: "), err.details()
+    assert str(sock_dir) not in err.details() and "unix:" not in err.details()
+    if client_code is grpc.StatusCode.INTERNAL:  # details only in the gateway's log
+        assert "fake decoder failure" not in err.details(), err.details()
+    else:
+        assert err.details() == f"decoder: {decoder_code.name}: fake decoder failure (test)"
+
+
+@pytest.mark.parametrize(
+    ("code", "details", "want_code", "want"),
+    [
+        (
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "text: is 5000 tokens with the chat template; with max_tokens the limit is 2048",
+            grpc.StatusCode.INVALID_ARGUMENT,
+            "decoder: INVALID_ARGUMENT: text: is 5000 tokens with the chat template; "
+            "with max_tokens the limit is 2048",
+        ),
+        (
+            grpc.StatusCode.UNAVAILABLE,
+            "failed to connect to all addresses; last error: UNKNOWN: "
+            "unix:/tmp/omni-x/decoder.sock: No such file or directory",
+            grpc.StatusCode.UNAVAILABLE,
+            "decoder: UNAVAILABLE: failed to connect to all addresses; last error: UNKNOWN: "
+            "[address]: No such file or directory",
+        ),
+        (
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "cannot open /srv/models/qwen/config.json (vllm.engine.EngineDeadError)",
+            grpc.StatusCode.FAILED_PRECONDITION,
+            "decoder: FAILED_PRECONDITION: cannot open [path] ([type])",
+        ),
+        (
+            grpc.StatusCode.UNKNOWN,
+            "Unexpected <class 'vllm.v1.engine.exceptions.EngineDeadError'>: boom at /x/y.py",
+            grpc.StatusCode.INTERNAL,
+            "decoder: failed the request (UNKNOWN); the gateway log has the details",
+        ),
+    ],
+    ids=["context", "unreachable", "paths-and-types", "unknown"],
+)
+def test_decoder_error_messages(
+    code: grpc.StatusCode, details: str, want_code: grpc.StatusCode, want: str
+) -> None:
+    exc = grpc.aio.AioRpcError(code, details=details)
+    error = decoder_error(exc, "unix:///tmp/omni-x/decoder.sock")
+    assert grpc_code_for(error) == want_code
+    assert str(error) == want
+    if code is grpc.StatusCode.INVALID_ARGUMENT:
+        assert error.field == "text"
+
+
+def test_long_decoder_message_is_bounded() -> None:
+    error = decoder_error(
+        grpc.aio.AioRpcError(grpc.StatusCode.INVALID_ARGUMENT, details="prompt: " + "x" * 10_000),
+        "unix:///d.sock",
+    )
+    assert len(str(error)) <= 512 and str(error).endswith("…")
+
+
+def test_a_gateway_bug_is_internal_with_a_generic_message(
+    gateway: GatewayThread, decoder: FakeDecoder
+) -> None:
+    """Any exception outside the client errors: INTERNAL (never UNKNOWN), no text of its own."""
+
+    async def broken(request):
+        raise ValueError("at /srv/secret/path.py: <class 'x.Y'>")
+        yield  # an async generator, like the real one
+
+    gateway.gateway.engine.speak = broken
+    with pytest.raises(grpc.RpcError) as info:
+        speak(gateway.stub, text="hi")
+    assert info.value.code() == grpc.StatusCode.INTERNAL
+    assert info.value.details() == "internal error; the server log has the details"
+
+
+def _big_audio_script(num_steps: int, samples: int):
+    def script(request):
+        out = [
+            decoder_pb2.GenerateResponse(
+                request_id=request.request_id,
+                multimodal_output=audio_payload(np.full(samples, (i + 1) / 100, dtype=np.float32)),
+            )
+            for i in range(num_steps)
+        ]
+        out.append(decoder_pb2.GenerateResponse(request_id=request.request_id, finished=True))
+        return out
+
+    return script
+
+
+def test_cumulative_output_over_the_message_cap_is_resource_exhausted(sock_dir: Path) -> None:
+    """8 steps of 10,000 float32 samples: the CUMULATIVE output outgrows a 64 KiB cap."""
+    config = FakeDecoderConfig(script=_big_audio_script(8, 10_000))
+    with (
+        FakeDecoder(sock_dir / "d.sock", config) as fake,
+        GatewayThread(fake.target, sock_dir, max_response_bytes=65536) as gw,
+    ):
+        request = gateway_pb2.OmniGatewayServiceGenerateRequest(
+            request_id="cum", prompt="hi", output_kind=gateway_pb2.OUTPUT_KIND_CUMULATIVE
+        )
+        received = []
+        with pytest.raises(grpc.RpcError) as info:
+            for response in gw.stub.Generate(request, timeout=10):
+                received.append(response)
+        err = info.value
+        assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, err.details()
+        assert err.details().startswith("output_kind: the CUMULATIVE output has reached ")
+        assert "OUTPUT_KIND_DELTA" in err.details()
+        assert [r.ByteSize() <= 65536 for r in received] == [True] * len(received)
+        assert 0 < len(received) < 8
+        assert fake.wait_for(lambda: "cum" in fake.state.aborts), "decoder request not aborted"
+        # DELTA carries one step per message and is served in full.
+        delta = gateway_pb2.OmniGatewayServiceGenerateRequest(prompt="hi")
+        outputs = list(gw.stub.Generate(delta, timeout=10))
+        assert sum(o.output.multimodal.tensors[0].tensor.shape[0] for o in outputs[:-1]) == 80_000
+
+
+def test_speak_splits_a_step_larger_than_the_message_cap(sock_dir: Path) -> None:
+    config = FakeDecoderConfig(script=_big_audio_script(2, 50_000))  # 100 kB of PCM per step
+    with (
+        FakeDecoder(sock_dir / "d.sock", config) as fake,
+        GatewayThread(fake.target, sock_dir, max_response_bytes=65536) as gw,
+    ):
+        chunks = speak(gw.stub, request_id="split", text="hi")
+    check_stream(chunks, "split")
+    assert all(c.ByteSize() <= 65536 for c in chunks), [c.ByteSize() for c in chunks]
+    want = pcm16le(torch.full((50_000,), 0.01)) + pcm16le(torch.full((50_000,), 0.02))
+    assert b"".join(c.audio for c in chunks) == want
+    assert len(chunks) == 5  # 2 pieces per step, then the empty final chunk
+    assert chunks[-1].metrics.audio_seconds == pytest.approx(100_000 / 24000)
 
 
 # ---------------------------------------------------------------------------

@@ -299,3 +299,32 @@ def test_speak_client_http_stream_cut_is_data_loss(sock_dir: Path) -> None:
                 "", "hi", out, http_url=f"http://127.0.0.1:{gw.http_port}", progress=False
             )
         assert info.value.code == "DATA_LOSS" and not out.exists()
+
+
+def test_http_bug_is_500_with_a_generic_message(gateway: GatewayThread) -> None:
+    async def broken(request):
+        raise KeyError("/srv/secret/path.py")
+        yield  # an async generator, like the real one
+
+    gateway.gateway.engine.speak = broken
+    response = request(gateway.http_port, "POST", SPEECH, {"model": "m", "input": "hi"})
+    assert response.status_code == 500, response.content
+    error = response.json()["error"]
+    assert error["type"] == "server_error" and "secret" not in error["message"], error
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        pytest.param(b'{"model": "m", "input": "hi", "speed": 1' + b"0" * 400 + b"}", "speed"),
+        pytest.param(b'{"model": "m", "input": "hi", "seed": 9223372036854775808}', "seed"),
+        pytest.param(b'{"model": "m", "input": "\\ud800"}', "input"),
+        pytest.param(b"[" * 100_000 + b"]" * 100_000, None),
+    ],
+    ids=["speed-10e400", "seed-2**63", "lone-surrogate", "deep-nesting"],
+)
+def test_http_hostile_bodies_are_400(gateway: GatewayThread, body: bytes, param) -> None:
+    response = request(gateway.http_port, "POST", SPEECH, raw=body)
+    assert response.status_code == 400, response.content[:300]
+    error = response.json()["error"]
+    assert error["param"] == param and len(error["message"]) <= 512, error

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import socket
@@ -20,9 +21,11 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from omni_common.errors import FailedPreconditionError, InvalidArgumentError, UnavailableError
 from omni_common.server import (
+    MalformedRequestInterceptor,
     ServerConfig,
     build_server,
     client_target,
+    set_health,
     wait_for_health,
     wait_for_health_sync,
 )
@@ -315,3 +318,41 @@ def test_graceful_shutdown_in_subprocess(tmp_path: Path, signum: signal.Signals)
         if proc.poll() is None:
             proc.kill()
             proc.communicate(timeout=10)
+
+
+def test_health_driven_by_the_service_and_malformed_requests(tmp_path: Path) -> None:
+    """serving_at_start=False leaves NOT_SERVING until set_health; bad bytes get INVALID_ARGUMENT."""
+    sock = tmp_path / "svc.sock"
+    config = dataclasses.replace(
+        decoder_config(f"unix://{sock}"),
+        serving_at_start=False,
+        interceptors=[MalformedRequestInterceptor()],
+        max_receive_message_bytes=4096,
+    )
+
+    async def main() -> None:
+        server, bound, health = await build_server(config, register_decoder)
+        try:
+            not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
+            assert await health_status(bound, "") == not_serving
+            assert await health_status(bound, DECODER) == not_serving
+            await set_health(health, config.health_names, serving=True)
+            await check_serving_and_reflection(bound)
+            async with grpc.aio.insecure_channel(bound) as channel:
+                check = channel.unary_unary(f"/{HEALTH}/Check")  # raw bytes in and out
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await check(b"\x0a\x05\xff\xff\xff\xff\xff", timeout=5)
+                assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert info.value.details() == (
+                    "request: not a valid Check request message: String field had bad UTF-8"
+                )
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    await check(b"\x0a" + b"\x80" * 5000, timeout=5)  # over the receive limit
+                assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+            await health.enter_graceful_shutdown()
+            await set_health(health, config.health_names, serving=True)  # ignored now
+            assert await health_status(bound, "") == not_serving
+        finally:
+            await server.stop(None)
+
+    asyncio.run(main())

@@ -1,0 +1,94 @@
+"""The gateway's health follows its decoder's.
+
+`DecoderMonitor` checks the decoder every `interval_s` (a grpc.health.v1
+`Check` with a short deadline, on the same channel requests use) and calls
+`on_change(healthy)` whenever the answer flips. The gateway wires that to
+its own grpc.health.v1 status (`omni_common.server.set_health`), so load
+balancers and `omni-serving up` see NOT_SERVING while the decoder is
+unreachable, and SERVING again one check after it is back. HTTP ``/health``
+reads the same state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Awaitable, Callable
+
+from gateway.decoder_client import DecoderClient
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_INTERVAL_S = 0.25
+"""Time between two checks: a flip is seen within this plus one check's deadline."""
+DEFAULT_TIMEOUT_S = 0.5
+"""Deadline of one check. A local decoder answers in about a millisecond."""
+
+
+class DecoderMonitor:
+    """Periodic decoder health checks on a background task; create it inside its event loop."""
+
+    def __init__(
+        self,
+        decoder: DecoderClient,
+        on_change: Callable[[bool], Awaitable[None]] | None = None,
+        *,
+        interval_s: float = DEFAULT_INTERVAL_S,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ) -> None:
+        self._decoder = decoder
+        self._on_change = on_change
+        self.interval_s = interval_s
+        self.timeout_s = timeout_s
+        self.healthy: bool | None = None
+        """None until the first check has answered."""
+        self.reason = "not checked yet"
+        """Why the decoder is not healthy (for logs; never sent to clients verbatim)."""
+        self.checked = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        """Check once now (so health is right from the start), then keep checking."""
+        if self._task is None:
+            await self._check_logged()
+            self._task = asyncio.get_running_loop().create_task(
+                self._run(), name="decoder-health-monitor"
+            )
+
+    async def stop(self) -> None:
+        task, self._task = self._task, None
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+    async def check_once(self) -> bool:
+        """Run one check now, apply its result, and return it."""
+        problem = await self._decoder.probe(self.timeout_s)
+        healthy = problem is None
+        if healthy != self.healthy:
+            if healthy:
+                logger.info("decoder at %s is healthy", self._decoder.target)
+            else:
+                logger.warning("decoder at %s is not healthy: %s", self._decoder.target, problem)
+            self.healthy = healthy
+            if self._on_change is not None:
+                await self._on_change(healthy)
+        self.reason = problem or ""
+        self.checked.set()
+        return healthy
+
+    async def _check_logged(self) -> None:
+        try:
+            await self.check_once()
+        except Exception:  # noqa: BLE001  a bug in a check must not end the monitor
+            logger.exception("decoder health check failed")
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval_s)
+            await self._check_logged()
+
+
+__all__ = ["DEFAULT_INTERVAL_S", "DEFAULT_TIMEOUT_S", "DecoderMonitor"]
