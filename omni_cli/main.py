@@ -18,6 +18,11 @@ def _cmd_up(args: argparse.Namespace) -> int:
     return run_up(cfg)
 
 
+def _read_token(path: str) -> str | None:
+    """The bearer token in a file (None: the client falls back to OMNI_GATEWAY_TOKEN)."""
+    return Path(path).read_text().strip() if path else None
+
+
 def _cmd_speak(args: argparse.Namespace) -> int:
     from omni_cli.speak_client import SpeakClientError, speak
 
@@ -30,6 +35,9 @@ def _cmd_speak(args: argparse.Namespace) -> int:
             seed=args.seed,
             http_url=args.http_url if args.http else None,
             progress=not args.quiet,
+            token=_read_token(args.token_file),
+            tls_ca=args.tls_ca or None,
+            tls_server_name=args.tls_server_name or None,
         )
     except SpeakClientError as exc:
         print(f"omni-serving speak: {exc}", file=sys.stderr)
@@ -153,6 +161,11 @@ def build_parser() -> argparse.ArgumentParser:
     sp.add_argument("--http", action="store_true", help="use the HTTP facade instead of gRPC")
     sp.add_argument("--http-url", default="http://127.0.0.1:8000")
     sp.add_argument("-q", "--quiet", action="store_true", help="no progress bar")
+    sp.add_argument("--token-file", default="", help="file holding the gateway's bearer token "
+                    "(default: the OMNI_GATEWAY_TOKEN variable, if set)")
+    sp.add_argument("--tls-ca", default="", help="CA certificate (PEM) of a TLS gateway "
+                    "(default: the OMNI_GATEWAY_TLS_CA variable, if set)")
+    sp.add_argument("--tls-server-name", default="", help="name to check the gateway's certificate against")
     sp.set_defaults(func=_cmd_speak)
 
     models = sub.add_parser("models", help="local model checkpoints")

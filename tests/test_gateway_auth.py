@@ -241,6 +241,15 @@ def test_speak_client_passes_the_token(
                 gw.gateway.address, "hi", out, http_url=url, token=TOKEN, progress=False
             )
             assert result["samples"] > 0
+        # the CLI: --token-file, and without it the environment
+        from omni_cli.main import main as cli
+
+        token_file = sock_dir / "token"
+        token_file.write_text(TOKEN + "\n")
+        out.unlink()
+        argv = ["speak", "hi", "-o", str(out), "--target", gw.gateway.address, "-q"]
+        assert cli(argv) == 1 and not out.exists()
+        assert cli([*argv, "--token-file", str(token_file)]) == 0 and out.stat().st_size > 44
         monkeypatch.setenv(speak_client.TOKEN_ENV, TOKEN)  # what `omni-serving speak` reads
         assert speak_client.speak(gw.gateway.address, "hi", out, progress=False)["samples"] > 0
 

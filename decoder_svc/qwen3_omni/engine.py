@@ -62,10 +62,14 @@ class ChatPrompts:
         with self._lock:
             return [int(t) for t in self.tokenizer(text, add_special_tokens=False)["input_ids"]]
 
-    def _check_length(self, n: int, max_tokens: int) -> None:
-        if n + max(1, max_tokens) > self.max_model_len:
+    def _check_length(self, n: int, max_tokens: int, field: str) -> None:
+        if n >= self.max_model_len:
             raise InvalidArgumentError(
-                "text", f"is {n} tokens with the chat template; with max_tokens the limit is {self.max_model_len}"
+                field, f"is {n} tokens with the chat template; the model's context is {self.max_model_len}"
+            )
+        if n + max_tokens > self.max_model_len:
+            raise InvalidArgumentError(
+                "max_tokens", f"{max_tokens} plus the prompt's {n} tokens exceeds the model's context of {self.max_model_len}"
             )
 
     def speak(self, spec: RequestSpec) -> RequestSpec:
@@ -74,13 +78,13 @@ class ChatPrompts:
         if not reply:
             raise InvalidArgumentError("text", "has no tokens to speak")
         prompt = self._user_prompt(spec.prompt)
-        self._check_length(len(prompt) + len(reply), 0)
+        self._check_length(len(prompt) + len(reply), 0, "text")
         return dataclasses.replace(spec, prompt_token_ids=prompt, reply_token_ids=reply + [self.end_of_turn])
 
     def chat(self, spec: RequestSpec) -> RequestSpec:
         """The text as the user's message (omni profile)."""
         prompt = self._user_prompt(spec.prompt)
-        self._check_length(len(prompt), spec.max_tokens)
+        self._check_length(len(prompt), spec.max_tokens, "prompt")
         return dataclasses.replace(spec, prompt_token_ids=prompt)
 
 
