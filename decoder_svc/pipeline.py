@@ -267,10 +267,14 @@ class Code2WavWorker:
         *,
         vocoder,
         on_error: Callable[[str, BaseException], None] | None = None,
+        live: Callable[[str], bool] | None = None,
     ):
+        """live(request_id): whether the request still runs; frames of a
+        request that ended (an abort raced with a delivery) start nothing."""
         self.config = config
         self.emit = emit
         self.on_error = on_error
+        self.live = live
         self.vocoder = vocoder
         self.num_codebooks = int(vocoder.num_codebooks)
         self.codebook_size = int(vocoder.codebook_size)
@@ -325,6 +329,8 @@ class Code2WavWorker:
                         logger.exception("failing request %s failed", rid)
 
     def _handle(self, kind: str, rid: str, voice: str, value) -> None:
+        if rid not in self._states and self.live is not None and not self.live(rid):
+            return
         st = self._state(rid, voice)
         final = kind == "finish"
         if not final:
@@ -445,7 +451,7 @@ class Pipeline:
         self.sample_rate = int(vocoder.sample_rate)
         self._prepare = prepare
         self.code2wav = Code2WavWorker(
-            self.gen_config, self._emit_audio, vocoder=vocoder, on_error=self._fail_audio
+            self.gen_config, self._emit_audio, vocoder=vocoder, on_error=self._fail_audio, live=self._live
         )
 
     # kept for callers that think in one AR stage
@@ -506,7 +512,13 @@ class Pipeline:
             if not spec.modality.has_multimodal:
                 self._text_only = self._text_only | {spec.request_id}
         first = self.ar_configs[0]
-        self.backends[first.name].add_request(spec)
+        try:
+            self.backends[first.name].add_request(spec)
+        except BaseException:  # refused by the engine: nothing of the request stays
+            with self._lock:
+                self._requests.pop(spec.request_id, None)
+                self._text_only = self._text_only - {spec.request_id}
+            raise
         self.runners[first.stage_id].notify()
 
     def abort(self, request_id: str) -> bool:
@@ -639,12 +651,32 @@ class Pipeline:
 
     def _hand_to(self, stage: StageConfig, ctx: RequestContext) -> None:
         """Start a request on the next AR stage, conditioned on what the
-        previous stage handed over (e.g. the thinker's hidden states)."""
+        previous stage handed over (e.g. the thinker's hidden states).
+
+        A request the next stage refuses (an empty reply, ...) ends alone,
+        with the stage's error; the others in the step go on."""
+        rid = ctx.spec.request_id
         cond = {key: torch.cat(parts) for key, parts in ctx.handoff.items()}
         ctx.handoff.clear()
         spec = dataclasses.replace(ctx.spec, conditioning=cond, max_tokens=0)
-        self.backends[stage.name].add_request(spec)
+        backend = self.backends[stage.name]
+        try:
+            backend.add_request(spec)
+        except OmniError as exc:
+            self._fail_requests([rid], exc)
+            return
+        except Exception as exc:  # noqa: BLE001 -- this request ends, the others go on
+            logger.error("stage %s refused request %s", stage.name, rid, exc_info=exc)
+            self._fail_requests([rid], OmniError(f"stage {stage.name} could not start the request"))
+            return
+        if not self._live(rid):  # aborted while it was being handed over
+            backend.abort(rid)
+            return
         self.runners[stage.stage_id].notify()
+
+    def _live(self, request_id: str) -> bool:
+        ctx = self._context(request_id)
+        return ctx is not None and not ctx.done
 
     def _emit_audio(self, request_id: str, audio: np.ndarray, last: bool, reason: str) -> None:
         ctx = self._context(request_id)

@@ -96,7 +96,8 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
                 if not loop.is_closed():
                     loop.call_soon_threadsafe(outputs.put_nowait, resp)
 
-            self.pipeline.submit(spec, sink)
+            # off the event loop: an engine holds its lock for a whole step
+            await asyncio.to_thread(self.pipeline.submit, spec, sink)
         except OmniError as exc:
             await context.abort(grpc_code_for(exc), str(exc))
             return
@@ -114,10 +115,11 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         finally:
             self._streams.pop(spec.request_id, None)
             if not finished:  # the client went away, or the stream ended early: free the request
-                self.pipeline.abort(spec.request_id)
+                asyncio.get_running_loop().run_in_executor(None, self.pipeline.abort, spec.request_id)
 
     async def Abort(self, request: decoder_pb2.AbortRequest, context: grpc.aio.ServicerContext) -> decoder_pb2.AbortResponse:
-        aborted = [rid for rid in request.request_ids if self.pipeline.abort(rid)]
+        ids = list(request.request_ids)
+        aborted = await asyncio.to_thread(lambda: [rid for rid in ids if self.pipeline.abort(rid)])
         return decoder_pb2.AbortResponse(aborted_request_ids=aborted)
 
     async def GetDecoderInfo(

@@ -725,3 +725,16 @@ def test_up_help_shows_model_not_model_dir():
     assert "--model MODEL" in text or "--model " in text
     assert "--model-dir" not in text
 
+
+
+def test_derived_files_never_go_into_the_model_directory(tiny, monkeypatch):
+    """A model cache pointed at (or inside) the checkpoint is refused, not written."""
+    from decoder_svc.qwen3_omni.cache import derived_dir
+
+    ckpt = OmniCheckpoint.open(tiny)
+    before = tree_snapshot(tiny)
+    monkeypatch.setenv("OMNI_SERVING_MODEL_DIR", str(tiny))
+    with pytest.raises(CheckpointError) as err:
+        derived_dir(ckpt, "talker-vllm")
+    assert err.value.key == "OMNI_SERVING_MODEL_DIR"
+    assert tree_snapshot(tiny) == before

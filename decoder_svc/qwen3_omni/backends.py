@@ -257,8 +257,10 @@ class TalkerBackend(VLLMBackend):
         prompt_ids = list(spec.prompt_token_ids)
         table = self._thinker_embed_table()  # the tts_* ids' embeddings, and Speak's text
 
+        device = model.text_projection.linear_fc1.weight.device
+
         def embed(ids: torch.Tensor) -> torch.Tensor:
-            return torch.nn.functional.embedding(ids, table).to(torch.float32)
+            return torch.nn.functional.embedding(ids, table).to(device=device, dtype=torch.float32)
 
         if THINKER_EMBED in cond:  # Generate: the thinker's reply and its rows
             reply = [int(t) for t in cond["thinker_token_ids"].reshape(-1).tolist()]
@@ -283,7 +285,8 @@ class TalkerBackend(VLLMBackend):
         greedy = spec.temperature <= 0
         gen = None
         if not greedy:
-            gen = torch.Generator().manual_seed(int(spec.seed) * 1_000_003 + 17)
+            device = model.code_predictor.lm_head[0].weight.device
+            gen = torch.Generator(device=device).manual_seed((int(spec.seed) * 1_000_003 + 17) % 2**63)
         state = TalkerRequestState(
             prompt_len=int(tp.prompt_embeds.shape[0]),
             trailing=tp.trailing,
@@ -306,6 +309,9 @@ class TalkerBackend(VLLMBackend):
         return params
 
     def add_request(self, spec: RequestSpec) -> None:
+        with self._lock:  # before its state is built: never replace a running request's state
+            if spec.request_id in self._int_of:
+                raise InvalidArgumentError("request_id", f"{spec.request_id!r} is already running")
         try:
             super().add_request(spec)
         except BaseException:

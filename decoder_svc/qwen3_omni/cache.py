@@ -20,6 +20,7 @@ import shutil
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from decoder_svc.qwen3_omni.checkpoint import CheckpointError
 from decoder_svc.qwen3_omni.tiny import TINY_FORMAT, create_tiny_checkpoint
 
 if TYPE_CHECKING:
@@ -74,5 +75,11 @@ def derived_dir(checkpoint: OmniCheckpoint, name: str) -> Path:
     if not name or name in (".", "..") or "/" in name or os.sep in name or "\0" in name:
         raise ValueError(f"derived_dir: name must be a single path component, got {name!r}")
     out = model_cache_root() / "derived" / checkpoint.fingerprint() / name
+    if out.resolve().is_relative_to(checkpoint.path.resolve()):
+        raise CheckpointError(
+            checkpoint.path, "OMNI_SERVING_MODEL_DIR",
+            f"the model cache ({model_cache_root()}) is inside the model directory, which is never written; "
+            "point OMNI_SERVING_MODEL_DIR elsewhere",
+        )
     out.mkdir(parents=True, exist_ok=True)
     return out

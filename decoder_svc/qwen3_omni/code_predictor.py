@@ -175,8 +175,8 @@ class CodePredictor(nn.Module):
         dtype = self._cos.dtype
         x = torch.stack((last_hidden.to(dtype), code0_embed.to(dtype)), dim=1)  # [n, 2, H]
         caches: list[list[torch.Tensor]] = [[] for _ in self.model.layers]
-        codes = torch.empty((n, self.num_groups - 1), dtype=torch.int64)
-        embed_sum = torch.zeros((n, x.shape[-1]), dtype=dtype)
+        codes = torch.empty((n, self.num_groups - 1), dtype=torch.int64, device=x.device)
+        embed_sum = torch.zeros((n, x.shape[-1]), dtype=dtype, device=x.device)
         pos = 0
         for g in range(self.num_groups - 1):
             t = x.shape[1]

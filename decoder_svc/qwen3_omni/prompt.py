@@ -105,7 +105,7 @@ def build_talker_prompt(
     rows = len(seq) - 1
     if len(reply_ids) < 2:
         raise InvalidArgumentError("text", "the reply is empty: nothing to speak")
-    if thinker_embed.shape[0] < rows:
+    if thinker_embed.shape[0] != rows:  # e.g. a preempted request whose rows were computed twice
         raise InvalidArgumentError("thinker_embed", f"has {thinker_embed.shape[0]} rows for {rows} positions")
     embed = thinker_embed[:rows].to(torch.float32)
 

@@ -254,7 +254,7 @@ def _build_classes():
             if not rows:
                 return embeds
             out = embeds.clone()
-            out[torch.tensor(rows)] += torch.stack(extra).to(out.dtype)
+            out[torch.tensor(rows, device=out.device)] += torch.stack(extra).to(out.dtype)
             return out
 
         def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
@@ -270,7 +270,7 @@ def _build_classes():
                     st = self.states.get(rid)
                     if st is None or st.repetition_penalty == 1.0 or not st.history:
                         continue
-                    ids = torch.tensor(sorted(set(st.history)), dtype=torch.long)
+                    ids = torch.tensor(sorted(set(st.history)), dtype=torch.long, device=logits.device)
                     score = logits[i, ids]
                     p = st.repetition_penalty
                     logits[i, ids] = torch.where(score < 0, score * p, score / p)
@@ -288,7 +288,7 @@ def _build_classes():
             """
             n = len(req_ids)
             codes = torch.zeros((n, self.code_predictor.num_groups), dtype=torch.int64)
-            codes[:, 0] = code0
+            codes[:, 0] = code0.cpu()
             with self.states_lock:
                 states = [self.states.get(r) for r in req_ids]
             rows = [
@@ -308,7 +308,7 @@ def _build_classes():
                 top_p=[s.top_p for s in sts],
                 generators=[s.generator for s in sts],
             )
-            codes[idx, 1:] = residual
+            codes[idx, 1:] = residual.cpu()
             with self.states_lock:
                 for j, (i, st) in enumerate(zip(rows, sts, strict=True)):
                     st.residual_sum = embed_sum[j]
