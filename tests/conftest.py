@@ -1,3 +1,24 @@
-"""Test session setup."""
+"""Test session setup and fixtures shared by several test files."""
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from fakes import FakeDecoder, remove_dir, short_socket_dir
 
 import omni_common  # noqa: F401 -- the torchvision import shim, before any test imports transformers
+
+
+@pytest.fixture
+def sock_dir() -> Iterator[Path]:
+    """A short temporary directory for Unix sockets (removed afterwards)."""
+    path = short_socket_dir()
+    yield path
+    remove_dir(path)
+
+
+@pytest.fixture
+def decoder(sock_dir: Path) -> Iterator[FakeDecoder]:
+    """A fake decoder service (test double) on a Unix socket in sock_dir."""
+    with FakeDecoder(sock_dir / "decoder.sock") as fake:
+        yield fake

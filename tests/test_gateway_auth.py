@@ -16,14 +16,13 @@ import signal
 import ssl
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import httpx
 import openai
 import pytest
-from fakes import FakeDecoder, GatewayThread, remove_dir, short_socket_dir
+from fakes import FakeDecoder, GatewayThread
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from gateway.app import GatewayConfig, start_gateway
@@ -83,19 +82,6 @@ def make_self_signed(directory: Path) -> tuple[Path, Path]:
         )
     )
     return cert, key
-
-
-@pytest.fixture
-def sock_dir() -> Iterator[Path]:
-    path = short_socket_dir()
-    yield path
-    remove_dir(path)
-
-
-@pytest.fixture
-def decoder(sock_dir: Path) -> Iterator[FakeDecoder]:
-    with FakeDecoder(sock_dir / "decoder.sock") as fake:
-        yield fake
 
 
 @pytest.fixture

@@ -16,12 +16,12 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import grpc
 import pytest
-from fakes import FakeDecoder, GatewayThread, remove_dir, short_socket_dir
+from fakes import FakeDecoder, GatewayThread
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from omni_common import shm_arena
@@ -33,13 +33,6 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 FLIP_BOUND_S = 2.0
 """Health must follow the decoder, both ways, within this."""
 REPO = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture
-def sock_dir() -> Iterator[Path]:
-    path = short_socket_dir()
-    yield path
-    remove_dir(path)
 
 
 def status(channel: grpc.Channel) -> int | None:

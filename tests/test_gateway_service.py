@@ -16,7 +16,7 @@ import grpc
 import numpy as np
 import pytest
 import torch
-from fakes import FakeDecoder, FakeDecoderConfig, GatewayThread, remove_dir, short_socket_dir
+from fakes import FakeDecoder, FakeDecoderConfig, GatewayThread
 from fakes.fake_decoder import audio_payload, fake_audio
 
 from gateway.audio import pcm16le
@@ -29,19 +29,6 @@ from omni_common.accumulation import PayloadAccumulator, TensorConsolidationErro
 from omni_common.accumulation import TensorAccumulationStrategy as S
 from omni_common.errors import grpc_code_for
 from omni_serving.v1 import common_pb2, decoder_pb2, gateway_pb2, gateway_pb2_grpc, payload_pb2
-
-
-@pytest.fixture
-def sock_dir() -> Iterator[Path]:
-    path = short_socket_dir()
-    yield path
-    remove_dir(path)
-
-
-@pytest.fixture
-def decoder(sock_dir: Path) -> Iterator[FakeDecoder]:
-    with FakeDecoder(sock_dir / "decoder.sock") as fake:
-        yield fake
 
 
 @pytest.fixture

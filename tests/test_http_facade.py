@@ -12,20 +12,13 @@ from pathlib import Path
 import grpc
 import openai
 import pytest
-from fakes import FakeDecoder, FakeDecoderConfig, GatewayThread, remove_dir, short_socket_dir
+from fakes import FakeDecoder, FakeDecoderConfig, GatewayThread
 
 from omni_cli import speak_client
 from omni_serving.v1 import common_pb2, gateway_pb2
 
 TEXT = "the quick brown fox"
 SPEECH = "/v1/audio/speech"
-
-
-@pytest.fixture
-def sock_dir() -> Iterator[Path]:
-    path = short_socket_dir()
-    yield path
-    remove_dir(path)
 
 
 @pytest.fixture
