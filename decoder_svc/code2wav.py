@@ -39,30 +39,43 @@ class ChunkState:
     boundaries that depend only on the frame index (ramp, then chunk_frames)."""
 
     def __init__(self, ramp: Sequence[int], chunk_frames: int, stream, num_codebooks: int):
-        self.frames = np.zeros((0, num_codebooks), dtype=np.int64)
+        self.num_codebooks = num_codebooks
+        self._pending: list[np.ndarray] = []  # frames received, not yet decoded
+        self.received = 0  # frames received
         self._bounds = chunk_boundaries(ramp, chunk_frames)
         self.next_end = next(self._bounds)
         self.emitted = 0  # frames whose audio went out
+        self.decoded = 0  # frames handed to the stream
         self.stream = stream
         self.chunk_index = 0
 
     def add(self, codes: np.ndarray) -> None:
-        self.frames = np.concatenate([self.frames, codes.reshape(-1, self.frames.shape[1])], axis=0)
+        codes = codes.reshape(-1, self.num_codebooks)
+        if codes.shape[0]:
+            self._pending.append(codes)
+            self.received += codes.shape[0]
 
     def ready_chunks(self, final: bool) -> list[tuple[int, int]]:
         """Frame ranges [start, end) ready to decode now."""
         out = []
-        while self.frames.shape[0] >= self.next_end:
+        while self.received >= self.next_end:
             out.append((self.emitted, self.next_end))
             self.emitted = self.next_end
             self.next_end = next(self._bounds)
-        if final and self.frames.shape[0] > self.emitted:
-            out.append((self.emitted, self.frames.shape[0]))
-            self.emitted = self.frames.shape[0]
+        if final and self.received > self.emitted:
+            out.append((self.emitted, self.received))
+            self.emitted = self.received
         return out
 
     def decode(self, start: int, end: int) -> np.ndarray:
-        """The new samples that frames [start, end) complete."""
+        """The new samples that frames [start, end) complete (ranges in order:
+        only frames not yet decoded are kept, so each frame is copied once)."""
+        if start != self.decoded:
+            raise ValueError(f"chunk [{start}, {end}) is not the next one (decoded up to {self.decoded})")
+        block = self._pending[0] if len(self._pending) == 1 else np.concatenate(self._pending)
+        n = end - start
+        self._pending = [block[n:]] if block.shape[0] > n else []
+        self.decoded = end
         self.chunk_index += 1
-        audio = self.stream.push(self.frames[start:end])
+        audio = self.stream.push(block[:n])
         return np.asarray(audio, dtype=np.float32).reshape(-1)

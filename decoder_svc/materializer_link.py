@@ -525,7 +525,7 @@ class MaterializerLink:
                 head = self._pending[0][0]
                 pending = len(self._pending)
         head_age = time.perf_counter() - head.created_s if head is not None else 0.0
-        if since_answer > self.stall_timeout_s:
+        if since_answer >= self.stall_timeout_s:  # nothing came back for the whole deadline
             reason = "stall"
         elif pending > self.max_pending:
             # stalled if nothing came back for a second (or ever), else slow

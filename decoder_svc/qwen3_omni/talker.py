@@ -87,7 +87,8 @@ class TalkerRequestState:
     top_p: float = 1.0
     generator: torch.Generator | None = None
     residual_sum: torch.Tensor | None = None  # [H]: residual codes of the last frame
-    history: list[int] = field(default_factory=list)  # codebook-0 ids sampled so far
+    seen: set[int] = field(default_factory=set)  # codebook-0 ids sampled so far
+    seen_ids: torch.Tensor | None = None  # the same ids as a tensor, for the repetition penalty
 
 
 def _external_id(internal_id: str) -> str:
@@ -268,9 +269,9 @@ def _build_classes():
             with self.states_lock:
                 for i, rid in enumerate(req_ids[: logits.shape[0]]):
                     st = self.states.get(rid)
-                    if st is None or st.repetition_penalty == 1.0 or not st.history:
+                    if st is None or st.repetition_penalty == 1.0 or st.seen_ids is None:
                         continue
-                    ids = torch.tensor(sorted(set(st.history)), dtype=torch.long, device=logits.device)
+                    ids = st.seen_ids
                     score = logits[i, ids]
                     p = st.repetition_penalty
                     logits[i, ids] = torch.where(score < 0, score * p, score / p)
@@ -312,7 +313,10 @@ def _build_classes():
             with self.states_lock:
                 for j, (i, st) in enumerate(zip(rows, sts, strict=True)):
                     st.residual_sum = embed_sum[j]
-                    st.history.append(int(code0[i]))
+                    token = int(code0[i])
+                    if token not in st.seen:  # the tensor changes only when a new id appears
+                        st.seen.add(token)
+                        st.seen_ids = torch.tensor(sorted(st.seen), dtype=torch.long, device=self._suppress.device)
             return codes
 
         # -- weights ---------------------------------------------------------------
