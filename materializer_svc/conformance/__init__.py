@@ -6,8 +6,9 @@ Run it against any process that serves the contract on a socket:
 
 The kit owns a shared-memory arena under the deployment's prefix
 (`omni-<deployment>`), plays the decoder's part over the wire, and prints one
-PASS/FAIL line per check. From code, `run_conformance(...)` returns the
-results as a list.
+PASS/FAIL/SKIP line per check. `--list` names the checks and `--explain CHECK`
+shows what one sends and expects. From code, `run_conformance(...)` returns
+the results as a list.
 """
 
 from materializer_svc.conformance.checks import CheckResult, check_names, run_conformance, summary

@@ -34,7 +34,8 @@ def build_parser(prog: str = "python -m materializer_svc.conformance") -> argpar
     p.add_argument(
         "--strict-messages",
         action="store_true",
-        help="also require the shipped implementations' wording in StepError messages",
+        help="also require each bad-step StepError message to contain its check's phrase "
+        "(case-insensitive; the table is in docs/writing-a-materializer.md, or see --explain CHECK)",
     )
     p.add_argument(
         "--only",
@@ -51,6 +52,11 @@ def build_parser(prog: str = "python -m materializer_svc.conformance") -> argpar
         "--json", metavar="FILE", help="also write the results as JSON to FILE ('-' for stdout)"
     )
     p.add_argument("--list", action="store_true", help="list the checks and exit")
+    p.add_argument(
+        "--explain",
+        metavar="CHECK",
+        help="print what CHECK (a name from --list, or a prefix of names) sends and expects, and exit",
+    )
     return p
 
 
@@ -60,6 +66,22 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.list:
         print("\n".join(check_names()))
+        return 0
+    if args.explain:
+        from materializer_svc.conformance.explain import explain
+
+        try:
+            print(
+                explain(
+                    args.explain, deployment=args.deployment or "explain", golden_dir=args.golden
+                )
+            )
+        except KeyError:
+            print(
+                f"error: no check is named {args.explain!r} or starts with it (see --list)",
+                file=sys.stderr,
+            )
+            return 2
         return 0
     if not args.target or not args.deployment:
         parser.print_usage(sys.stderr)

@@ -42,11 +42,11 @@ def open_channel(target: str) -> grpc.Channel:
 
 
 def info(
-    channel: grpc.Channel, timeout_s: float = 5.0
+    channel: grpc.Channel, timeout_s: float = 5.0, arena_probe: str = ""
 ) -> materializer_pb2.GetMaterializerInfoResponse:
     stub = materializer_pb2_grpc.MaterializerServiceStub(channel)
     return stub.GetMaterializerInfo(
-        materializer_pb2.GetMaterializerInfoRequest(), timeout=timeout_s
+        materializer_pb2.GetMaterializerInfoRequest(arena_probe=arena_probe), timeout=timeout_s
     )
 
 
