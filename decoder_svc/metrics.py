@@ -41,6 +41,18 @@ MATERIALIZER_MODE = Gauge(
     "Where step payloads are built now: 1 for the current mode (remote or in_process)",
     ["mode"],
 )
+MATERIALIZER_INFO = Gauge(
+    "omni_decoder_materializer_info",
+    "The materializer instance the decoder streams to: 1 for the attached one (no series "
+    "while building in-process)",
+    ["instance_id", "implementation", "version", "contract_version", "transport"],
+)
+MATERIALIZER_ATTACHMENTS = Counter(
+    "omni_decoder_materializer_attachments_total",
+    "Streams attached to a materializer instance: after connecting (connect) or to the "
+    "replacement of one that drains (handover)",
+    ["kind"],
+)
 INTERNAL_ERRORS = Counter(
     "omni_decoder_internal_errors_total",
     "Exceptions caught on a decoder thread (the affected requests failed, the thread kept "
@@ -49,6 +61,17 @@ INTERNAL_ERRORS = Counter(
 )
 REQUESTS = Counter("omni_decoder_requests_total", "Requests that ended, by outcome", ["outcome"])
 ACTIVE_REQUESTS = Gauge("omni_decoder_active_requests", "Requests running")
+
+
+def attachment_labels(attachment) -> tuple[str, str, str, str, str]:
+    """The MATERIALIZER_INFO labels of a materializer_link.Attachment."""
+    return (
+        attachment.instance_id,
+        attachment.implementation,
+        attachment.version,
+        str(attachment.contract_version),
+        attachment.transport,
+    )
 
 
 def set_mode(remote: bool) -> None:

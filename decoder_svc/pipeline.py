@@ -418,6 +418,7 @@ class Pipeline:
                 fail_step=self._fail_step,
                 readiness_timeout_ms=readiness_timeout_ms,
                 stall_timeout_s=stall_timeout_s,
+                inline_transport=inline_transport,
             )
             if async_plans
             else None

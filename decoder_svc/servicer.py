@@ -139,6 +139,9 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             voices=list(self.pipeline.voices),
             sample_rate_hz=self.pipeline.sample_rate,
         )
+        attachment = p.link.attachment if p.link is not None else None
+        if attachment is not None:
+            resp.materializer.CopyFrom(attachment.to_proto())
         if p.arena is not None:
             a = p.arena
             resp.arena.region = a.name

@@ -5,8 +5,12 @@ the stage's routes read (one memcpy each, into a free slot), marks the slot
 ready, and returns a `SnapshotMeta`: plain Python values and handles. The
 `StepSnapshot` protobuf is built later, by the sender thread.
 
-When a step's tensors do not fit a slot, or inline transport is chosen, the
-snapshot keeps detached (cloned) tensors instead and they travel as bytes.
+When a step's tensors do not fit a slot, or inline transport is forced
+(`--inline-transport`), the snapshot keeps detached (cloned) tensors instead
+and they travel as bytes. A stream to a materializer that cannot map the
+arena (another host or shared-memory namespace) also carries bytes: the step
+still goes through a slot, and `to_proto(inline_from=arena)` copies the
+slot's bytes into the message, off the critical path.
 """
 
 from __future__ import annotations
@@ -56,7 +60,11 @@ class SnapshotMeta:
     created_s: float = field(default_factory=time.perf_counter)
 
     # -- off the critical path -------------------------------------------------
-    def to_proto(self) -> snapshot_pb2.StepSnapshot:
+    def to_proto(self, inline_from: ShmArena | None = None) -> snapshot_pb2.StepSnapshot:
+        """The StepSnapshot message. With `inline_from` (the arena the handles
+        point into), slot tensors are sent as inline bytes read from the slot
+        instead of handles; the slot itself stays held (the caller releases it
+        once the step is answered)."""
         snap = snapshot_pb2.StepSnapshot(
             step_id=self.step_id,
             stage_id=self.stage_id,
@@ -70,12 +78,28 @@ class SnapshotMeta:
         for start, end in self.spans:
             snap.scheduled_spans.add(start=start, end=end)
         snap.connector_output.signals.extend(self.connector_signals)
-        refs = dict(self.handles)
+        refs = dict(self.handles) if inline_from is None else self._inline_handles(inline_from)
         for name, (t, layout) in self.tensors.items():
             refs[name] = (encode_inline(t), layout)
         for name, (ref, layout) in refs.items():
             set_step_tensor(snap, name, ref, layout)
         return snap
+
+    def _inline_handles(self, arena: ShmArena) -> dict[str, tuple[tensor_pb2.TensorRef, int]]:
+        """The slot tensors as inline TensorRefs (one copy each, out of the slot)."""
+        if not self.handles:
+            return {}
+        if self.lease is not None:
+            arena.wait_ready(self.lease.slot, self.lease.generation, timeout_s=30.0)
+        refs: dict[str, tuple[tensor_pb2.TensorRef, int]] = {}
+        for name, (ref, layout) in self.handles.items():
+            assert ref.shm.region == arena.name
+            data = arena.data_view(ref.shm.offset, ref.shm.byte_size).numpy().tobytes()
+            refs[name] = (
+                tensor_pb2.TensorRef(dtype=ref.dtype, shape=ref.shape, inline_data=data),
+                layout,
+            )
+        return refs
 
     def local_view(self, arena: ShmArena | None) -> StepView:
         """A StepView over this snapshot's own tensors (in-process fallback)."""

@@ -19,6 +19,9 @@ BUILD_SECONDS = Histogram(
 )
 ERRORS = Counter("omni_materializer_errors_total", "Steps failed, by gRPC status code", ["code"])
 ACTIVE_STREAMS = Gauge("omni_materializer_active_streams", "Open Materialize streams")
+DRAINING = Gauge(
+    "omni_materializer_draining", "1 while the process drains (stopping; its streams are told)"
+)
 
 _CODE_NAMES = {c.value[0]: c.name for c in grpc.StatusCode}
 
@@ -39,3 +42,4 @@ def attach(servicer: object) -> None:
         return
     counters.observers.append(observe)
     ACTIVE_STREAMS.set_function(lambda: counters.active_streams)
+    DRAINING.set_function(lambda: 1 if getattr(servicer, "draining", False) else 0)

@@ -37,6 +37,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -606,3 +607,39 @@ class ArenaReader:
                 mapped.mm.close()
             except BufferError:
                 logger.debug("region %s still referenced", region)
+
+
+# --------------------------------------------------------------------------
+# Probe (GetMaterializerInfoRequest.arena_probe)
+# --------------------------------------------------------------------------
+
+ProbeResult = Literal["mapped", "not_found", "invalid"]
+
+
+def probe_arena(region: str, prefix: str) -> ProbeResult:
+    """Whether a reader serving `prefix` could read handles into segment `region`.
+
+    Opens the segment read-only, maps it, validates the arena header exactly as
+    `ArenaReader` does for a handle, then unmaps and closes it again; never
+    writes to it, never unlinks it, keeps no mapping. Returns
+
+    - "mapped": a valid arena under `<prefix>-arena-`, mapped here;
+    - "not_found": no segment of that name is visible here (another host,
+      container or shared-memory namespace);
+    - "invalid": the name is malformed or outside the prefix, the segment is
+      not a valid arena (magic, version, header), or it cannot be opened or
+      mapped by this process.
+    """
+    try:
+        reader = ArenaReader(prefix)
+    except InvalidArgumentError:
+        return "invalid"
+    try:
+        reader._region(region, "arena_probe")
+    except NotFoundError:
+        return "not_found"
+    except (InvalidArgumentError, PermissionDeniedError, OSError, ValueError, struct.error):
+        return "invalid"
+    finally:
+        reader.close()
+    return "mapped"
