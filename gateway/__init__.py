@@ -9,6 +9,10 @@ Layout (one responsibility per module):
 * `validation` - request checks, each error naming its field.
 * `decoder_client` - the `DecoderService` channel, cached decoder info,
   decoder errors as shared exceptions.
+* `health` - `DecoderMonitor`: periodic grpc.health.v1 checks of one decoder.
+* `replicas` - several decoders: ``--decoder`` targets, DNS lookups,
+  `ReplicaPool` (a client and a monitor per decoder, balancing, request →
+  decoder tracking, per-decoder metrics, the gateway's health).
 * `engine` - `GatewayEngine`: admission, decoder stream, processor,
   `Abort` on cancel; used by both front ends.
 * `audio` - PCM16 conversion, Speak chunks, WAV headers.

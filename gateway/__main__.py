@@ -1,4 +1,8 @@
-"""``python -m gateway --listen ADDR --decoder TARGET [options]`` (see docs/gateway.md).
+"""``python -m gateway --listen ADDR --decoder TARGET[,TARGET...] [options]`` (see docs/gateway.md).
+
+``--decoder`` may be repeated, and each value may be a comma-separated list;
+``dns:///name:port`` (or a plain ``name:port``) stands for every address the
+name resolves to (gateway.replicas).
 
 Environment variables stand in for some options (the option wins):
 ``OMNI_GATEWAY_TLS_CERT``, ``OMNI_GATEWAY_TLS_KEY`` (TLS on gRPC and HTTP),
@@ -15,8 +19,14 @@ import sys
 
 from gateway.app import GatewayConfig, serve_gateway
 from gateway.engine import DEFAULT_MAX_CONCURRENT
+from gateway.replicas import (
+    BALANCE_POLICIES,
+    BALANCE_ROUND_ROBIN,
+    DEFAULT_RESOLVE_INTERVAL_S,
+    parse_decoder_targets,
+)
 from gateway.validation import DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_MAX_TEXT_CHARS
-from omni_common.errors import OmniError
+from omni_common.errors import InvalidArgumentError, OmniError
 from omni_common.logging_setup import setup_logging
 
 TLS_CERT_ENV = "OMNI_GATEWAY_TLS_CERT"
@@ -52,7 +62,26 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         "--listen", required=True, help="gRPC address: unix:///abs/path.sock or host:port"
     )
     parser.add_argument(
-        "--decoder", required=True, help="decoder target: unix:///abs/path.sock or host:port"
+        "--decoder",
+        required=True,
+        action="append",
+        metavar="TARGET[,TARGET...]",
+        help="decoder target(s): unix:///abs/path.sock, host:port, or dns:///name:port (every "
+        "address of the name); repeat the option or separate targets with commas",
+    )
+    parser.add_argument(
+        "--decoder-balance",
+        choices=BALANCE_POLICIES,
+        default=BALANCE_ROUND_ROBIN,
+        help="how new requests are spread over healthy decoders: round-robin (default) or "
+        "least-outstanding (fewest streams open from this gateway)",
+    )
+    parser.add_argument(
+        "--decoder-resolve-interval-s",
+        type=float,
+        default=DEFAULT_RESOLVE_INTERVAL_S,
+        metavar="S",
+        help="look DNS decoder targets up again every S seconds (default %(default)s)",
     )
     parser.add_argument(
         "--http-port",
@@ -103,6 +132,12 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     parser.add_argument("--grace-s", type=float, default=5.0, help="shutdown grace period")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
+    try:
+        parse_decoder_targets(args.decoder, field="--decoder")
+    except InvalidArgumentError as exc:
+        parser.error(str(exc))
+    if not args.decoder_resolve_interval_s > 0:
+        parser.error("--decoder-resolve-interval-s must be > 0")
     if args.max_text_chars < 1:
         parser.error("--max-text-chars must be >= 1")
     if args.max_concurrent < 1:
@@ -122,7 +157,9 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
     setup_logging(args.log_level, service="gateway")
     return GatewayConfig(
         listen=args.listen,
-        decoder=args.decoder,
+        decoder=tuple(args.decoder),
+        decoder_balance=args.decoder_balance,
+        decoder_resolve_interval_s=args.decoder_resolve_interval_s,
         http_host=args.http_host or default_http_host(args.listen),
         http_port=args.http_port,
         max_text_chars=args.max_text_chars,

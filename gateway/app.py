@@ -4,8 +4,8 @@
 shutdown via `omni_common.server.serve`); `start_gateway` starts the same
 parts and returns a handle, for tests and embedding.
 
-The gateway's grpc.health.v1 status starts NOT_SERVING and then follows the
-decoder's (`gateway.health.DecoderMonitor`). With a TLS certificate both
+The gateway's grpc.health.v1 status starts NOT_SERVING and then follows its
+decoders' (`gateway.replicas.ReplicaPool`: SERVING while any replica is). With a TLS certificate both
 listeners (gRPC and HTTP) serve TLS; with a token both require it (health
 excepted).
 """
@@ -14,14 +14,22 @@ from __future__ import annotations
 
 import logging
 import ssl
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import grpc
 
-from gateway.decoder_client import DecoderClient
 from gateway.engine import DEFAULT_MAX_CONCURRENT, GatewayEngine
-from gateway.health import DEFAULT_INTERVAL_S, DecoderMonitor
+from gateway.health import DEFAULT_INTERVAL_S
 from gateway.http_facade import HttpFacade
+from gateway.replicas import (
+    BALANCE_ROUND_ROBIN,
+    DEFAULT_RESOLVE_INTERVAL_S,
+    DecoderTarget,
+    ReplicaPool,
+    Resolver,
+    parse_decoder_targets,
+)
 from gateway.servicer import SERVICE_NAME, registrar
 from gateway.validation import DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_MAX_TEXT_CHARS, Limits
 from omni_common.errors import FailedPreconditionError, InvalidArgumentError
@@ -48,8 +56,9 @@ class GatewayConfig:
 
     listen: str
     """gRPC listen address (``unix:///abs/path.sock`` or ``host:port``)."""
-    decoder: str
-    """Decoder target (``unix:///abs/path.sock`` or ``host:port``)."""
+    decoder: str | Sequence[str]
+    """Decoder target(s): ``unix:///abs/path.sock``, ``host:port``, ``dns:///name:port``;
+    several as a sequence and/or comma-separated (see `gateway.replicas`)."""
     http_host: str = "127.0.0.1"
     http_port: int | None = None
     """HTTP facade port (0 = any free port); None = no HTTP facade."""
@@ -65,9 +74,18 @@ class GatewayConfig:
     auth_token: str | None = None
     """Bearer token every client call must carry (health excepted); None = open."""
     health_interval_s: float = DEFAULT_INTERVAL_S
-    """Time between two decoder health checks."""
+    """Time between two health checks of each decoder."""
+    decoder_balance: str = BALANCE_ROUND_ROBIN
+    """How new requests are spread over healthy decoders (`replicas.BALANCE_POLICIES`)."""
+    decoder_resolve_interval_s: float = DEFAULT_RESOLVE_INTERVAL_S
+    """Time between two lookups of a DNS target's addresses."""
+    decoder_resolver: Resolver | None = None
+    """Looks up a DNS target's addresses; None = `socket.getaddrinfo` (tests inject one)."""
+    decoder_targets: tuple[DecoderTarget, ...] = field(init=False, repr=False)
+    """`decoder`, parsed."""
 
     def __post_init__(self) -> None:
+        self.decoder_targets = parse_decoder_targets(self.decoder)
         if (self.tls_cert is None) != (self.tls_key is None):
             raise InvalidArgumentError("tls", "give both a certificate and its key, or neither")
         if self.auth_token is not None and not self.auth_token.strip():
@@ -111,17 +129,27 @@ class GatewayConfig:
             ) from exc
         return context
 
+    def build_pool(self) -> ReplicaPool:
+        """The decoder replicas (one channel each); call inside the event loop."""
+        return ReplicaPool(
+            self.decoder_targets,
+            balance=self.decoder_balance,
+            resolve_interval_s=self.decoder_resolve_interval_s,
+            health_interval_s=self.health_interval_s,
+            resolver=self.decoder_resolver,
+        )
+
     def build_engine(self) -> GatewayEngine:
-        """The engine, with its decoder channel; call inside the event loop."""
+        """The engine, with its decoder channels; call inside the event loop."""
         return GatewayEngine(
-            DecoderClient(self.decoder),
+            self.build_pool(),
             limits=Limits(
                 max_text_chars=self.max_text_chars, max_response_bytes=self.max_response_bytes
             ),
             max_concurrent=self.max_concurrent,
         )
 
-    def build_http(self, engine: GatewayEngine, monitor: DecoderMonitor) -> HttpFacade | None:
+    def build_http(self, engine: GatewayEngine, monitor: ReplicaPool) -> HttpFacade | None:
         if self.http_port is None:
             return None
         return HttpFacade(
@@ -133,17 +161,17 @@ class GatewayConfig:
 
 
 def _monitor(
-    config: GatewayConfig, engine: GatewayEngine, server_config: ServerConfig
-) -> tuple[DecoderMonitor, list[HealthServicer]]:
-    """A decoder monitor that drives the health servicer once it is attached to the list."""
+    engine: GatewayEngine, server_config: ServerConfig
+) -> tuple[ReplicaPool, list[HealthServicer]]:
+    """The engine's decoder pool, driving the health servicer once it is attached to the list."""
     attached: list[HealthServicer] = []
 
     async def on_change(healthy: bool) -> None:
         for servicer in attached:
             await set_health(servicer, server_config.health_names, serving=healthy)
 
-    monitor = DecoderMonitor(engine.decoder, on_change, interval_s=config.health_interval_s)
-    return monitor, attached
+    engine.pool.on_change = on_change
+    return engine.pool, attached
 
 
 @dataclass
@@ -155,7 +183,8 @@ class RunningGateway:
     address: str
     health: HealthServicer
     http: HttpFacade | None
-    monitor: DecoderMonitor
+    monitor: ReplicaPool
+    """The decoder replicas and their health checks (the same object as `engine.pool`)."""
 
     @property
     def http_port(self) -> int | None:
@@ -174,7 +203,7 @@ async def start_gateway(config: GatewayConfig) -> RunningGateway:
     """Start engine, gRPC server and (if configured) the HTTP facade in this loop."""
     server_config = config.server_config()  # refuse a malformed address before opening anything
     engine = config.build_engine()
-    monitor, attached = _monitor(config, engine, server_config)
+    monitor, attached = _monitor(engine, server_config)
     try:
         http = config.build_http(engine, monitor)
         server, address, health = await build_server(server_config, registrar(engine))
@@ -195,10 +224,10 @@ async def start_gateway(config: GatewayConfig) -> RunningGateway:
 
 
 async def serve_gateway(config: GatewayConfig) -> None:
-    """Run until SIGTERM/SIGINT, then shut down gracefully (health, gRPC, HTTP, decoder channel)."""
+    """Run until SIGTERM/SIGINT, then shut down gracefully (health, gRPC, HTTP, decoder channels)."""
     server_config = config.server_config()  # refuse a malformed address before opening anything
     engine = config.build_engine()
-    monitor, attached = _monitor(config, engine, server_config)
+    monitor, attached = _monitor(engine, server_config)
     http = config.build_http(engine, monitor)
     if http is not None:
         await http.start(config.http_host, config.http_port or 0)

@@ -10,7 +10,9 @@ only the gateway's log.
 
 The channel reconnects fast (`fast_reconnect_options`): a restarted decoder
 is reachable again about a second after it listens. `probe` is the health
-check `DecoderMonitor` (gateway.health) runs on the same channel.
+check `DecoderMonitor` (gateway.health) runs on the same channel. With
+several decoders, `gateway.replicas.ReplicaPool` holds one client per
+decoder.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -111,6 +113,8 @@ class DecoderInfo:
     sample_rate_hz: int
     active_requests: int = 0
     profile: str = ""
+    fallback_steps: int = 0
+    finished_requests: int = 0
 
     @classmethod
     def from_pb(cls, pb: decoder_pb2.GetDecoderInfoResponse) -> DecoderInfo:
@@ -119,6 +123,8 @@ class DecoderInfo:
             sample_rate_hz=pb.sample_rate_hz or DEFAULT_SAMPLE_RATE_HZ,
             active_requests=pb.active_requests,
             profile=pb.profile,
+            fallback_steps=pb.fallback_steps,
+            finished_requests=pb.finished_requests,
         )
 
 
@@ -132,14 +138,19 @@ class DecoderClient:
         info_ttl_s: float = 5.0,
         info_timeout_s: float = 5.0,
         abort_timeout_s: float = 5.0,
+        options: Sequence[tuple[str, int | str]] = (),
     ) -> None:
         self.target = client_target(target)
         # client_options: message size limits matching the servers, and
         # keepalive so a dead decoder is noticed on an idle channel.
         # fast_reconnect_options: back within ~1 s of a restarted decoder.
-        self._channel = grpc.aio.insecure_channel(
-            self.target, options=client_options() + fast_reconnect_options()
-        )
+        # `options`: more channel arguments (the replica pool pins pick_first).
+        channel_options: list[tuple[str, int | str]] = [
+            *client_options(),
+            *fast_reconnect_options(),
+            *options,
+        ]
+        self._channel = grpc.aio.insecure_channel(self.target, options=channel_options)
         self._stub = decoder_pb2_grpc.DecoderServiceStub(self._channel)
         self._health = health_pb2_grpc.HealthStub(self._channel)
         self._info_ttl_s = info_ttl_s

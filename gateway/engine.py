@@ -1,10 +1,12 @@
 """The gateway's request orchestration, shared by the gRPC servicer and the HTTP facade.
 
 `GatewayEngine` admits a request (bounded concurrency), checks it against the
-decoder's info, streams the decoder's outputs through the one
-`OutputProcessor`, and hands every result to clients through `wrap_output`.
-When a stream ends without its final output (client cancel, error, consumer
-stopped reading), the decoder is told to `Abort` that request.
+decoder's info, picks a decoder replica (`gateway.replicas`), streams that
+decoder's outputs through the one `OutputProcessor`, and hands every result
+to clients through `wrap_output`. When a stream ends without its final
+output (client cancel, error, consumer stopped reading), the decoder it ran
+on is told to `Abort` that request; not when the decoder was unreachable
+(UNAVAILABLE), since its stream is gone and an Abort could only wait.
 
 Consumers must close the async generators they iterate (``contextlib.aclosing``)
 so the abort happens when they stop, not when the generator is collected.
@@ -26,6 +28,7 @@ from gateway.audio import AUDIO_KEY, SAMPLE_RATE_KEY, AudioChunk, pcm16le
 from gateway.decoder_client import DecoderClient, DecoderInfo, decoder_error
 from gateway.output_processor import OutputKind, OutputProcessor
 from gateway.outputs import DecoderOutputError, OmniRequestOutput, RequestMetrics, wrap_output
+from gateway.replicas import Assignment, Replica, ReplicaPool
 from gateway.validation import (
     GenerationRequest,
     Limits,
@@ -34,7 +37,7 @@ from gateway.validation import (
     check_voice,
     decoder_request,
 )
-from omni_common.errors import InvalidArgumentError, ResourceExhaustedError
+from omni_common.errors import InvalidArgumentError, ResourceExhaustedError, UnavailableError
 from omni_common.modality import OutputModality
 from omni_serving.v1 import decoder_pb2
 
@@ -69,18 +72,25 @@ class Admission:
 
 
 class GatewayEngine:
-    """Runs client requests against one decoder. Create it inside its event loop."""
+    """Runs client requests on the gateway's decoders. Create it inside its event loop.
+
+    `decoder` is the `ReplicaPool` (or one `DecoderClient`, which becomes a
+    pool of one). Each request's stream goes to the replica the pool picks
+    and stays there; a stream that fails to start because its replica is
+    unreachable (UNAVAILABLE before any response) is started once more on
+    another healthy replica.
+    """
 
     def __init__(
         self,
-        decoder: DecoderClient,
+        decoder: ReplicaPool | DecoderClient,
         *,
         limits: Limits | None = None,
         max_concurrent: int = DEFAULT_MAX_CONCURRENT,
         processor: OutputProcessor | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self.decoder = decoder
+        self.pool = decoder if isinstance(decoder, ReplicaPool) else ReplicaPool.of_client(decoder)
         self.limits = limits or Limits()
         self.admission = Admission(max_concurrent)
         self.processor = processor or OutputProcessor(clock=clock)
@@ -89,12 +99,12 @@ class GatewayEngine:
         self._max_chunk_audio_bytes = max(2, (self.limits.max_response_bytes - 4096) // 2 * 2)
 
     async def decoder_info(self) -> DecoderInfo:
-        return await self.decoder.info()
+        return await self.pool.info()
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[OmniRequestOutput]:
         """Stream a Generate request's outputs (per its output kind)."""
         with self.admission.slot():
-            info = await self.decoder.info()
+            info = await self.pool.info()
             voice = await self._voice(request.voice, info)
             upstream = decoder_request(
                 request.request_id,
@@ -112,7 +122,7 @@ class GatewayEngine:
         """Stream PCM16 chunks, numbered from 0; the last has `final=True` and full metrics."""
         start = self._clock()
         with self.admission.slot():
-            info = await self.decoder.info()
+            info = await self.pool.info()
             voice = await self._voice(request.voice, info)
             rate = check_sample_rate(request.sample_rate_hz, info)
             upstream = decoder_request(
@@ -163,7 +173,7 @@ class GatewayEngine:
         try:
             return check_voice(voice, info)
         except InvalidArgumentError:
-            return check_voice(voice, await self.decoder.info(refresh=True))
+            return check_voice(voice, await self.pool.info(refresh=True))
 
     async def _stream(
         self, upstream: decoder_pb2.GenerateRequest, modality: OutputModality, kind: OutputKind
@@ -171,32 +181,70 @@ class GatewayEngine:
         """One decoder stream through the output processor; aborts it unless it finished."""
         request_id = upstream.request_id
         self.processor.add_request(request_id, modality, kind)
-        call = self.decoder.generate(upstream)
-        finished = False
+        assignment: Assignment | None = None
+        call: grpc.aio.UnaryStreamCall | None = None
+        finished = unreachable = False
         try:
-            try:
-                async for response in call:
-                    result = self.processor.process_outputs((response,))
-                    for failure in result.failures:
-                        raise failure.error
-                    for engine_output in result.outputs:
-                        finished = engine_output.finished
-                        yield wrap_output(engine_output, engine_output.stage_id, modality)
-            except grpc.aio.AioRpcError as exc:
-                raise decoder_error(exc, self.decoder.target) from exc
+            replica = self.pool.pick()
+            retried = False
+            while True:
+                assignment = self.pool.begin(request_id, replica)
+                call = replica.client.generate(upstream)
+                answered = False
+                try:
+                    async for response in call:
+                        answered = True
+                        result = self.processor.process_outputs((response,))
+                        for failure in result.failures:
+                            raise failure.error
+                        for engine_output in result.outputs:
+                            finished = engine_output.finished
+                            yield wrap_output(engine_output, engine_output.stage_id, modality)
+                except grpc.aio.AioRpcError as exc:
+                    if exc.code() is not grpc.StatusCode.UNAVAILABLE:
+                        raise decoder_error(exc, replica.client.target) from exc
+                    self.pool.suspect(replica)
+                    other = None if answered or retried else self._other(replica)
+                    if other is None:  # output was sent, or nowhere else to go
+                        unreachable = True
+                        raise decoder_error(exc, replica.client.target) from exc
+                    logger.info(
+                        "request %r: decoder %s is unavailable (%s); starting it on %s",
+                        request_id,
+                        replica.label,
+                        exc.details(),
+                        other.label,
+                    )
+                    self.pool.end(assignment, retried=True)
+                    assignment, call, replica, retried = None, None, other, True
+                    continue
+                break
             if not finished:
                 raise DecoderOutputError(
                     f"decoder ended the stream of request {request_id!r} without a final output"
                 )
         finally:
             self.processor.abort_requests((request_id,))
-            if not finished:
-                call.cancel()
-                # Shielded: a second cancellation must not stop the abort.
-                await asyncio.shield(self.decoder.abort((request_id,)))
+            if assignment is not None:
+                try:
+                    if not finished and not unreachable:
+                        if call is not None:
+                            call.cancel()
+                        # The replica is looked up now; shielded: a second
+                        # cancellation must not stop the abort.
+                        await asyncio.shield(self.pool.abort((request_id,)))
+                finally:
+                    self.pool.end(assignment)
+
+    def _other(self, failed: Replica) -> Replica | None:
+        """A healthy replica other than `failed` for a retried start, or None."""
+        try:
+            return self.pool.pick(exclude=(failed,))
+        except UnavailableError:
+            return None
 
     async def close(self) -> None:
-        await self.decoder.close()
+        await self.pool.close()
 
 
 def _split(audio: bytes, size: int) -> list[bytes]:

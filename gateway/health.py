@@ -2,7 +2,10 @@
 
 `DecoderMonitor` checks the decoder every `interval_s` (a grpc.health.v1
 `Check` with a short deadline, on the same channel requests use) and calls
-`on_change(healthy)` whenever the answer flips. The gateway wires that to
+`on_change(healthy)` whenever the answer flips; `wake()` asks for a check
+now (a request that saw the decoder UNAVAILABLE calls it). With several
+decoders (gateway.replicas) each replica has its own monitor, and the
+gateway is healthy while any replica is. The gateway wires that to
 its own grpc.health.v1 status (`omni_common.server.set_health`), so load
 balancers and `omni-serving up` see NOT_SERVING while the decoder is
 unreachable, and SERVING again one check after it is back. HTTP ``/health``
@@ -15,6 +18,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 from gateway.decoder_client import DecoderClient
 
@@ -24,6 +28,15 @@ DEFAULT_INTERVAL_S = 0.25
 """Time between two checks: a flip is seen within this plus one check's deadline."""
 DEFAULT_TIMEOUT_S = 0.5
 """Deadline of one check. A local decoder answers in about a millisecond."""
+
+
+class HealthState(Protocol):
+    """What reports the gateway's health: a `DecoderMonitor` or a `gateway.replicas.ReplicaPool`."""
+
+    @property
+    def healthy(self) -> bool | None:
+        """The latest answer; None before the first check."""
+        ...
 
 
 class DecoderMonitor:
@@ -38,6 +51,7 @@ class DecoderMonitor:
         timeout_s: float = DEFAULT_TIMEOUT_S,
     ) -> None:
         self._decoder = decoder
+        self._wake = asyncio.Event()
         self._on_change = on_change
         self.interval_s = interval_s
         self.timeout_s = timeout_s
@@ -53,8 +67,12 @@ class DecoderMonitor:
         if self._task is None:
             await self._check_logged()
             self._task = asyncio.get_running_loop().create_task(
-                self._run(), name="decoder-health-monitor"
+                self._run(), name=f"decoder-health-monitor {self._decoder.target}"
             )
+
+    def wake(self) -> None:
+        """Check now instead of at the next interval (no-op when not started)."""
+        self._wake.set()
 
     async def stop(self) -> None:
         task, self._task = self._task, None
@@ -87,8 +105,10 @@ class DecoderMonitor:
 
     async def _run(self) -> None:
         while True:
-            await asyncio.sleep(self.interval_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), self.interval_s)
+            self._wake.clear()
             await self._check_logged()
 
 
-__all__ = ["DEFAULT_INTERVAL_S", "DEFAULT_TIMEOUT_S", "DecoderMonitor"]
+__all__ = ["DEFAULT_INTERVAL_S", "DEFAULT_TIMEOUT_S", "DecoderMonitor", "HealthState"]

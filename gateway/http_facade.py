@@ -7,8 +7,9 @@ Routes:
   ``stream``; extension: ``seed``). Streams raw PCM16LE (``pcm``) or a WAV
   whose header carries the streaming maximum length (``wav``) with chunked
   transfer; ``"stream": false`` buffers and sends an exact WAV/PCM body.
-* ``GET /health`` - 200 when the decoder is healthy (the same state as the
-  gateway's gRPC health), 503 otherwise. Never needs a token.
+* ``GET /health`` - 200 when a decoder is healthy (the same state as the
+  gateway's gRPC health), 503 otherwise; ``decoders`` counts the healthy
+  and the configured replicas. Never needs a token.
 * ``GET /metrics`` - Prometheus text format.
 
 With a token configured, every route but ``/health`` needs
@@ -36,7 +37,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.audio import AudioChunk, wav_header
 from gateway.engine import GatewayEngine
-from gateway.health import DecoderMonitor
+from gateway.health import HealthState
 from gateway.servicer import CLIENT_ERRORS
 from gateway.validation import (
     Limits,
@@ -193,7 +194,7 @@ class HttpFacade:
         self,
         engine: GatewayEngine,
         *,
-        monitor: DecoderMonitor | None = None,
+        monitor: HealthState | None = None,
         auth_token: str | None = None,
         ssl_context: ssl.SSLContext | None = None,
     ) -> None:
@@ -234,13 +235,17 @@ class HttpFacade:
             self._runner = None
 
     async def health(self, request: web.Request) -> web.Response:
-        """200 with the decoder's voices while it is healthy; 503 otherwise.
+        """200 with the decoders' voices while one is healthy; 503 otherwise.
 
-        With a monitor (the gateway's), the answer is the monitor's latest
-        check, the same state gRPC health reports.
+        With a monitor (the gateway's), the answer is its latest checks, the
+        same state gRPC health reports.
         """
+        replicas = self._engine.pool.replicas
+        decoders = {"healthy": sum(1 for r in replicas if r.healthy), "configured": len(replicas)}
         if self._monitor is not None and not self._monitor.healthy:
-            return web.json_response({"status": "unavailable", "decoder": "unhealthy"}, status=503)
+            return web.json_response(
+                {"status": "unavailable", "decoder": "unhealthy", "decoders": decoders}, status=503
+            )
         try:
             info = await self._engine.decoder_info()
         except CLIENT_ERRORS as exc:
@@ -254,6 +259,7 @@ class HttpFacade:
                 "voices": list(info.voices),
                 "sample_rate_hz": info.sample_rate_hz,
                 "active_streams": self._engine.admission.active,
+                "decoders": decoders,
             }
         )
 

@@ -34,8 +34,66 @@ RTF = Histogram(
     buckets=(0.05, 0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 5.0),
 )
 
+
+# Per decoder replica (gateway.replicas). The label is the replica's address
+# as the operator configured it or DNS returned it (`replicas.replica_label`);
+# a replica's series are removed when it leaves the pool.
+DECODER_UP = Gauge(
+    "omni_gateway_decoder_up",
+    "1 while the decoder replica passes its health checks, else 0",
+    ["decoder"],
+)
+DECODER_REQUESTS = Counter(
+    "omni_gateway_decoder_requests",
+    "Decoder streams this gateway started on the replica (a retried start counts on both)",
+    ["decoder"],
+)
+DECODER_IN_FLIGHT = Gauge(
+    "omni_gateway_decoder_in_flight",
+    "Decoder streams this gateway has open on the replica",
+    ["decoder"],
+)
+DECODER_RETRIES = Counter(
+    "omni_gateway_decoder_retries",
+    "Requests that failed to start on the replica (UNAVAILABLE) and were retried on another",
+    ["decoder"],
+)
+DECODER_ACTIVE_REQUESTS = Gauge(
+    "omni_gateway_decoder_active_requests",
+    "Requests running on the replica, all gateways together (polled GetDecoderInfo)",
+    ["decoder"],
+)
+DECODER_FALLBACK_STEPS = Gauge(
+    "omni_gateway_decoder_fallback_steps",
+    "Steps the replica built in-process since it started (polled GetDecoderInfo)",
+    ["decoder"],
+)
+DECODER_FINISHED_REQUESTS = Gauge(
+    "omni_gateway_decoder_finished_requests",
+    "Requests the replica finished since it started (polled GetDecoderInfo)",
+    ["decoder"],
+)
+DECODER_COLLECTORS: tuple[Gauge | Counter, ...] = (
+    DECODER_UP,
+    DECODER_REQUESTS,
+    DECODER_IN_FLIGHT,
+    DECODER_RETRIES,
+    DECODER_ACTIVE_REQUESTS,
+    DECODER_FALLBACK_STEPS,
+    DECODER_FINISHED_REQUESTS,
+)
+"""Every collector labelled by decoder replica."""
+
 __all__ = [
     "ACTIVE_STREAMS",
+    "DECODER_ACTIVE_REQUESTS",
+    "DECODER_COLLECTORS",
+    "DECODER_FALLBACK_STEPS",
+    "DECODER_FINISHED_REQUESTS",
+    "DECODER_IN_FLIGHT",
+    "DECODER_REQUESTS",
+    "DECODER_RETRIES",
+    "DECODER_UP",
     "FAILED_CONSOLIDATIONS",
     "REQUESTS",
     "RTF",
