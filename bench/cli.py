@@ -33,6 +33,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, default=0, help="breakdown: batch size (default: the largest step-gap batch)")
     p.add_argument("--e2e-model-dir", default="",
                    help="e2e: checkpoints folder given to the decoder (default: the tts profile's own tiny models)")
+    p.add_argument("--replicas", type=int, default=1, metavar="N",
+                   help="e2e: decoder + materializer pairs per stack (omni-serving up --replicas; default 1)")
+    p.add_argument("--failover", action="store_true",
+                   help="e2e: then SIGKILL one decoder of the async stack under load and measure the time "
+                        "until requests succeed again (needs --replicas 2 or more)")
+    p.add_argument("--concurrency", default="", metavar="C[,C...]",
+                   help="e2e: client concurrency levels (default: 1,16,64; --quick 1,4)")
+    p.add_argument("--requests", type=int, default=0, metavar="N",
+                   help="e2e: requests per level (default: per level, 16/96/384; --quick 3/8)")
     return p
 
 
@@ -48,7 +57,9 @@ def run_suite(name: str, args: argparse.Namespace, out_dir: Path):
     if name == "e2e":
         from bench import e2e
 
-        return e2e.run(e2e.E2EConfig.for_run(args.quick, args.engine, args.e2e_model_dir), out_dir)
+        concurrency = tuple(int(c) for c in args.concurrency.split(",") if c.strip())
+        return e2e.run(e2e.E2EConfig.for_run(args.quick, args.engine, args.e2e_model_dir, args.replicas,
+                                             args.failover, concurrency, args.requests), out_dir)
     if name == "breakdown":
         from bench import breakdown, step_gap
 
@@ -58,7 +69,19 @@ def run_suite(name: str, args: argparse.Namespace, out_dir: Path):
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.replicas < 1:
+        parser.error(f"--replicas: must be >= 1, got {args.replicas}")
+    if args.failover and args.replicas < 2:
+        parser.error("--failover: needs --replicas 2 or more (a decoder is killed while another serves)")
+    try:
+        if any(int(c) < 1 for c in args.concurrency.split(",") if c.strip()):
+            raise ValueError
+    except ValueError:
+        parser.error(f"--concurrency: expected positive integers separated by commas, got {args.concurrency!r}")
+    if args.requests < 0:
+        parser.error(f"--requests: must be >= 0, got {args.requests}")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     from bench.common import RESULTS_ROOT, log, results_dir, targets_md, timestamp
 

@@ -12,6 +12,11 @@ Per level and stack: request throughput, TTFP (client side: request sent ->
 first non-empty audio chunk) p50/p99, RTF (request wall time / audio
 duration) p50/p99, audio seconds per wall second, and the sha256 of every
 request's PCM, compared between the stacks.
+
+`replicas` (`--replicas N`) runs both stacks with N decoder + materializer
+pairs behind their gateway; `failover` (`--failover`, needs N >= 2) then
+SIGKILLs one decoder of the async stack under load and measures how long
+until requests succeed again (see `failover`).
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ import concurrent.futures
 import dataclasses
 import hashlib
 import os
+import signal
 import threading
 import time
 from pathlib import Path
@@ -29,6 +35,7 @@ from bench.common import (
     RssSampler,
     SuiteResult,
     check,
+    fmt,
     growth_report,
     log,
     machine_info,
@@ -69,13 +76,24 @@ class E2EConfig:
     top_p: float = 0.95
     warmup_max_tokens: int = 64  # warm-up: one request per client slot at the top concurrency, full length
     model_dir: str = ""
+    replicas: int = 1  # decoder + materializer pairs per stack
+    failover: bool = False  # SIGKILL one decoder of the async stack under load (replicas >= 2)
+    failover_concurrency: int = 4
 
     @classmethod
-    def for_run(cls, quick: bool, engine: str = "auto", model_dir: str = "") -> E2EConfig:
+    def for_run(cls, quick: bool, engine: str = "auto", model_dir: str = "", replicas: int = 1,
+                failover: bool = False, concurrency: tuple[int, ...] = (), requests: int = 0) -> E2EConfig:
         if quick:
-            return cls(quick=True, engine="fake" if engine == "auto" else engine, concurrency=(1, 4),
-                       prompts={1: 3, 4: 8}, max_tokens=16, warmup_max_tokens=16, model_dir=model_dir)
-        return cls(engine="vllm" if engine == "auto" else engine, model_dir=model_dir)
+            cfg = cls(quick=True, engine="fake" if engine == "auto" else engine, concurrency=(1, 4),
+                      prompts={1: 3, 4: 8}, max_tokens=16, warmup_max_tokens=16, model_dir=model_dir)
+        else:
+            cfg = cls(engine="vllm" if engine == "auto" else engine, model_dir=model_dir)
+        cfg.replicas, cfg.failover = replicas, failover
+        if concurrency:
+            cfg.concurrency = tuple(concurrency)
+        if concurrency or requests:
+            cfg.prompts = {c: requests or cfg.prompts.get(c, 4 * c) for c in cfg.concurrency}
+        return cfg
 
 
 def prompt(i: int) -> tuple[str, int]:
@@ -188,7 +206,10 @@ def cpu_snapshot(stack: Any) -> dict[str, float]:
 
     out: dict[str, float] = {}
     for svc in stack.services:
-        t = psutil.Process(svc.proc.pid).cpu_times()
+        try:
+            t = psutil.Process(svc.proc.pid).cpu_times()
+        except psutil.Error:  # restarted meanwhile (failover)
+            continue
         out[svc.name] = t.user + t.system + t.children_user + t.children_system
     t = psutil.Process().cpu_times()
     out["bench clients"] = t.user + t.system
@@ -199,9 +220,16 @@ def cpu_snapshot(stack: Any) -> dict[str, float]:
 
 def cpu_report(a: dict[str, float], b: dict[str, float], wall_s: float, requests: int) -> dict[str, Any]:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    per_request_ms = {k: (b[k] - a[k]) / requests * 1e3 for k in a if k != "host busy"}
+    per_request_ms = {k: (b[k] - a[k]) / requests * 1e3 for k in a if k != "host busy" and k in b}
+    by_role: dict[str, float] = {}  # decoder-r0 + decoder-r1 -> decoder
+    for k, v in per_request_ms.items():
+        role = k.split("-r")[0] if k.startswith(("decoder-r", "materializer-r")) else k
+        by_role[role] = by_role.get(role, 0.0) + v
     return {
         "cpu_ms_per_request": per_request_ms,
+        "cpu_ms_per_request_by_role": by_role,
+        "cpu_pct_of_one_core": {k: 100.0 * (b[k] - a[k]) / wall_s for k in a if k != "host busy" and k in b}
+        if wall_s > 0 else {},
         "host_busy_pct": 100.0 * (b["host busy"] - a["host busy"]) / (wall_s * cores) if wall_s > 0 else float("nan"),
         "stack_cpu_pct_of_host": 100.0 * sum(b[k] - a[k] for k in a if k not in ("host busy", "bench clients"))
         / (wall_s * cores) if wall_s > 0 else float("nan"),
@@ -248,13 +276,15 @@ def run(cfg: E2EConfig, out_dir: Path) -> SuiteResult:
     clients: dict[str, Client] = {}
     levels: dict[int, dict[str, Any]] = {}
     infos: dict[str, Any] = {}
+    failover_result: dict[str, Any] | None = None
     leftovers: dict[str, list[str]] = {}
     windows: dict[str, dict[str, int]] = {}
     try:
         with progress(len(MODES), "e2e: starting stacks", "stack") as bar:
             for mode in MODES:
                 s = Stack(StackConfig(profile="tts", engine=cfg.engine, model=model_dir, sync=mode == "sync",
-                                      port=0, http_port=0, deployment=f"bench{mode}{os.getpid()}", log_level="WARNING"))
+                                      port=0, http_port=0, deployment=f"bench{mode}{os.getpid()}", log_level="WARNING",
+                                      replicas=cfg.replicas, restart_backoff=0.2))
                 stacks[mode] = s
                 s.start(timeout_s=300)
                 for svc in s.services:
@@ -288,12 +318,19 @@ def run(cfg: E2EConfig, out_dir: Path) -> SuiteResult:
         sampler.mark("end")
         for mode in MODES:
             infos[mode] = decoder_info(stacks[mode].decoder_target)
+            if cfg.replicas > 1:
+                infos[mode]["finished_requests_per_replica"] = [
+                    decoder_info(t)["finished_requests"] for t in stacks[mode].decoder_targets]
+        if cfg.failover:
+            for svc in stacks["async"].services:
+                sampler.remove(f"async/{svc.name}")
+            failover_result = failover(stacks["async"], cfg)
     finally:
         for c in clients.values():
             c.close()
         for mode, s in stacks.items():
             for svc in s.services:
-                sampler.remove(f"{mode}/{svc.name}")
+                sampler.remove(f"{mode}/{svc.name}")  # (a no-op for a name removed before)
             leftovers[mode] = s.stop()
         sampler.stop()
     hashes = []
@@ -320,6 +357,7 @@ def run(cfg: E2EConfig, out_dir: Path) -> SuiteResult:
         "levels": {str(c): {m: lv[m]["summary"] for m in MODES} for c, lv in levels.items()},
         "requests": {str(c): {m: lv[m]["requests"] for m in MODES} for c, lv in levels.items()},
         "hashes": hashes, "decoder_info": infos, "memory": memory, "targets": targets_json(targets),
+        "replicas": cfg.replicas, "failover": failover_result,
     }
     write_json(out_dir / "results.json", data)
     (out_dir / "hashes.txt").write_text("".join(
@@ -333,6 +371,82 @@ def run(cfg: E2EConfig, out_dir: Path) -> SuiteResult:
     md = markdown(data, targets)
     (out_dir / "results.md").write_text(md)
     return SuiteResult("e2e", out_dir, data, targets, md)
+
+
+def failover(stack: Any, cfg: E2EConfig, settle_s: float = 3.0) -> dict[str, Any]:
+    """SIGKILL the last replica's decoder of `stack` while closed-loop clients
+    send short requests; supervise the stack (restart it) meanwhile.
+
+    gap_ms: from the kill to the send of the first request that then
+    succeeded (how long new requests fail); first_success_done_ms: to the
+    end of that request; restarted_s: until the killed decoder was healthy
+    again; failed: requests that failed (in flight on the killed decoder,
+    or sent in the gap).
+    """
+    import grpc
+
+    victims = stack.services_of("decoder")
+    if len(victims) < 2:
+        raise ValueError("failover needs --replicas 2 or more")
+    victim = victims[-1]
+    client = Client(stack.gateway_target, cfg)
+    lock = threading.Lock()
+    results: list[tuple[float, float, str]] = []
+    stop = threading.Event()
+
+    def worker(k: int) -> None:
+        n = 0
+        while not stop.is_set():
+            n += 1
+            t0 = time.perf_counter()
+            try:
+                client.speak(10_000 + k * 1000 + n, cfg.max_tokens, f"failover-{k}")
+                outcome = "ok"
+            except grpc.RpcError as exc:
+                outcome = exc.code().name
+                time.sleep(0.01)
+            with lock:
+                results.append((t0, time.perf_counter(), outcome))
+
+    threads = [threading.Thread(target=worker, args=(k,), daemon=True) for k in range(cfg.failover_concurrency)]
+    for t in threads:
+        t.start()
+    try:
+        time.sleep(settle_s)
+        old_pid = victim.proc.pid
+        killed = time.perf_counter()
+        os.kill(old_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while victim.state != "running" or victim.proc.pid == old_pid:  # supervise from this thread
+            problem = stack.poll()
+            if problem is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"failover: the decoder did not come back: {problem}")
+            time.sleep(0.02)
+        restarted = time.perf_counter()
+        end = time.monotonic() + settle_s
+        while time.monotonic() < end:
+            stack.poll()
+            time.sleep(0.05)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(120)
+        client.close()
+    after = sorted((r for r in results if r[0] >= killed and r[2] == "ok"), key=lambda r: r[0])
+    failed = [r for r in results if r[2] != "ok"]
+    first = after[0] if after else None
+    out = {
+        "killed": victim.name, "concurrency": cfg.failover_concurrency, "requests": len(results),
+        "failed": len(failed), "failed_codes": sorted({r[2] for r in failed}),
+        "failed_sent_after_kill_ms": sorted((r[0] - killed) * 1e3 for r in failed if r[0] >= killed),
+        "gap_ms": (first[0] - killed) * 1e3 if first else None,
+        "first_success_done_ms": (first[1] - killed) * 1e3 if first else None,
+        "restarted_s": restarted - killed,
+        "ok_after_restart": sum(1 for r in results if r[0] >= restarted and r[2] == "ok"),
+        "failed_after_restart": sum(1 for r in results if r[0] >= restarted and r[2] != "ok"),
+    }
+    log(f"e2e failover: {out}")
+    return out
 
 
 def e2e_targets(levels, hashes, memory, top: int):  # noqa: ANN001
@@ -364,7 +478,10 @@ def markdown(data: dict[str, Any], targets) -> str:  # noqa: ANN001
     engine = data["engine"] + (f" (checkpoints {data['model_dir']})" if data["model_dir"] else "")
     if data.get("engine_note"):
         engine += f" ({data['engine_note']})"
-    lines = [f"# e2e{' (quick)' if data['quick'] else ''}", "", machine_md(data["machine"]), "",
+    reps = data.get("replicas", 1)
+    title = f"# e2e{' (quick)' if data['quick'] else ''}{f', {reps} replicas' if reps > 1 else ''}"
+    lines = [title,
+             "", machine_md(data["machine"]), "",
              f"Profile tts, engine {engine}; {cfg['max_tokens']} codec frames per request "
              f"({cfg['max_tokens'] / 12.5:.2f} s of audio), temperature {cfg['temperature']}, top_p {cfg['top_p']}, "
              "a fixed seed per prompt. Client: closed loop over gRPC Speak; TTFP = request sent -> first audio chunk.", ""]
@@ -392,12 +509,20 @@ def markdown(data: dict[str, Any], targets) -> str:  # noqa: ANN001
             cpu = lv[m].get("cpu")
             if not cpu:
                 continue
-            per = cpu["cpu_ms_per_request"]
+            per = cpu.get("cpu_ms_per_request_by_role") or cpu["cpu_ms_per_request"]
             rows.append([c, m, per.get("decoder"), per.get("materializer", 0.0), per.get("gateway"),
                          per.get("bench clients"), sum(v for k, v in per.items() if k != "bench clients"),
                          f"{cpu['host_busy_pct']:.0f}%"])
     lines.append(md_table(["concurrency", "path", "decoder", "materializer", "gateway", "clients (bench)",
                            "stack total", "host CPU busy"], rows))
+    if data.get("replicas", 1) > 1:
+        lines += ["", "CPU use per process during each level (% of one core):", ""]
+        rows = []
+        for c, lv in data["levels"].items():
+            for m in MODES:
+                pct_core = (lv[m].get("cpu") or {}).get("cpu_pct_of_one_core") or {}
+                rows.append([c, m, ", ".join(f"{k} {v:.0f}%" for k, v in pct_core.items())])
+        lines.append(md_table(["concurrency", "path", "per process"], rows))
     lines += ["", "## Decoder info at the end", ""]
     lines.append(md_table(["stack", "talker path", "reason", "fallback steps", "arena", "peak slots in use"],
                           [[m, i["talker_output_path"], i["talker_reason"], i["fallback_steps"],
@@ -415,6 +540,20 @@ def markdown(data: dict[str, Any], targets) -> str:  # noqa: ANN001
     lines.append(md_table(["concurrency", "#", "async", "sync", "equal"],
                           [[h["concurrency"], h["index"], h["async"][:16], (h["sync"] or "")[:16], h["equal"]]
                            for h in data["hashes"]]))
+    if data.get("replicas", 1) > 1:
+        lines += ["", "## Replicas", "",
+                  f"{data['replicas']} decoder + materializer pairs per stack. Requests finished per decoder: "
+                  + ", ".join(f"{m}: {i.get('finished_requests_per_replica')}" for m, i in data["decoder_info"].items())
+                  + ".", ""]
+    fo = data.get("failover")
+    if fo:
+        lines += ["## Failover", "",
+                  f"SIGKILL {fo['killed']} of the async stack under {fo['concurrency']} closed-loop clients: "
+                  f"the first request served again was sent {fmt(fo['gap_ms'])} ms after the kill "
+                  f"(done {fmt(fo['first_success_done_ms'])} ms after it); {fo['failed']} of {fo['requests']} "
+                  f"requests failed ({', '.join(fo['failed_codes']) or 'none'}); the decoder was serving again "
+                  f"{fo['restarted_s']:.1f} s after the kill; after that {fo['ok_after_restart']} requests, "
+                  f"{fo['failed_after_restart']} failed.", ""]
     lines += ["", "## Targets", "", targets_md(targets), "", "Plots: e2e.png, memory.png.", ""]
     return "\n".join(lines)
 

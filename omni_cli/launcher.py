@@ -110,6 +110,11 @@ class StackConfig:
     tls_key: str = ""
     auth_token_file: str = ""
     extra_decoder_args: list[str] = field(default_factory=list)
+    # Decoder + materializer pairs behind the one gateway (see replica_layout).
+    replicas: int = 1
+    # Rolling restart: seconds a replaced materializer may take to exit after
+    # its SIGTERM before it is killed.
+    drain_timeout: float = 30.0
 
     def validate(self) -> None:
         if self.engine not in ENGINES:
@@ -126,7 +131,17 @@ class StackConfig:
             value = getattr(self, key)
             if not -1 <= value <= 65535:
                 raise ConfigError(f"{key}: {value} is not a port (0 = any free port, -1 = off)")
-        for key in ("startup_timeout", "stop_timeout", "restart_backoff", "restart_reset"):
+        if self.replicas < 1:
+            raise ConfigError(
+                f"replicas: must be >= 1 (decoder + materializer pairs), got {self.replicas}"
+            )
+        for key in (
+            "startup_timeout",
+            "stop_timeout",
+            "restart_backoff",
+            "restart_reset",
+            "drain_timeout",
+        ):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"{key}: must be > 0 seconds, got {getattr(self, key)}")
         if self.restart_backoff_max < self.restart_backoff:
@@ -143,6 +158,51 @@ class StackConfig:
         for key in ("profile", "materializer_impl", "host", "metrics_host"):
             if not getattr(self, key):
                 raise ConfigError(f"{key}: must not be empty")
+        if self.replicas > 1:
+            self._check_replica_ports()
+
+    def _check_replica_ports(self) -> None:
+        """With several replicas the fixed metrics ports are offset per replica:
+        none may leave the port range or land on another fixed port."""
+        used: dict[int, str] = {}
+        for key in ("port", "http_port"):
+            if getattr(self, key) > 0:
+                used.setdefault(getattr(self, key), key)
+        keys = ["decoder_metrics_port"] + ([] if self.sync else ["materializer_metrics_port"])
+        for i in range(self.replicas):
+            for key in keys:
+                port = replica_port(getattr(self, key), i)
+                if port <= 0:
+                    continue
+                what = f"{key} of replica {i} ({getattr(self, key)} + {REPLICA_PORT_STRIDE} x {i})"
+                if port > 65535:
+                    raise ConfigError(f"replicas: {what} = {port} is not a port; lower {key}")
+                if port in used:
+                    raise ConfigError(
+                        f"replicas: {what} = {port} is also the port of {used[port]}; "
+                        f"choose {key} so the replicas' ports do not collide"
+                    )
+                used[port] = what
+
+
+# Replica i (of several) serves /metrics on the configured port + i x this.
+REPLICA_PORT_STRIDE = 100
+
+
+def replica_port(port: int, replica: int) -> int:
+    """The metrics port of replica `replica`: 0 (any free port) and -1 (off) stay."""
+    return port if port <= 0 else port + REPLICA_PORT_STRIDE * replica
+
+
+def replica_suffix(cfg: StackConfig, replica: int) -> str:
+    """The name suffix of replica `replica`: none with one replica, else "-r<i>"."""
+    return "" if cfg.replicas == 1 else f"-r{replica}"
+
+
+def replica_deployment(cfg: StackConfig, replica: int) -> str:
+    """The deployment name of replica `replica`'s decoder and materializer
+    (their arena is /dev/shm/omni-<this>-arena-*)."""
+    return cfg.deployment + replica_suffix(cfg, replica)
 
 
 # -- command-line options and config file -------------------------------------
@@ -202,6 +262,14 @@ UP_OPTIONS: tuple[UpOption, ...] = (
     ),
     UpOption("runtime_dir", str, "socket directory, made private (0700) (empty = a new temp dir)"),
     UpOption("sync", bool, "no materializer: build payloads in the decode step"),
+    UpOption(
+        "replicas",
+        int,
+        "decoder + materializer pairs behind the one gateway; each has its own "
+        f"deployment name (<deployment>-r<i>), sockets and metrics ports "
+        f"(+{REPLICA_PORT_STRIDE} per replica)",
+        metavar="N",
+    ),
     UpOption("log_level", str, f"log level of the three services: {', '.join(LOG_LEVELS)}"),
     UpOption("startup_timeout", float, "seconds each service may take to become healthy"),
     UpOption(
@@ -228,6 +296,13 @@ UP_OPTIONS: tuple[UpOption, ...] = (
         "restart_reset",
         float,
         "seconds a restarted service must stay up for its failures to be forgotten",
+        metavar="S",
+    ),
+    UpOption(
+        "drain_timeout",
+        float,
+        "rolling restart (SIGHUP, `omni-serving restart materializer`): seconds a replaced "
+        "materializer may take to exit after its SIGTERM before it is killed",
         metavar="S",
     ),
     UpOption(
@@ -415,6 +490,19 @@ class ServiceProcess:
     # was seen gone}. Only processes older than that are its members: once the
     # group is empty the number may be reused by an unrelated process.
     dead_groups: dict[int, float] = field(default_factory=dict)
+    role: str = ""  # materializer | decoder | gateway (default: the name)
+    replica: int = 0  # which decoder + materializer pair (the gateway: 0)
+    deployment: str = ""  # its --deployment (decoder, materializer)
+    base_metrics_url: str = ""  # metrics_url of the command line (a rolling restart may move it)
+
+    def __post_init__(self) -> None:
+        self.role = self.role or self.name
+        self.base_metrics_url = self.base_metrics_url or self.metrics_url
+
+    @property
+    def uds_path(self) -> str | None:
+        """The socket file of a unix:// target."""
+        return self.target[len("unix://") :] if self.target.startswith("unix://") else None
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -448,71 +536,94 @@ def _metrics_url(host: str, port: int, path: str = "/metrics") -> str:
 
 
 def service_commands(
-    cfg: StackConfig, runtime: Path | str, python: str | None = None
+    cfg: StackConfig,
+    runtime: Path | str,
+    python: str | None = None,
+    metrics_ports: list[tuple[int, int]] | None = None,
 ) -> list[ServiceProcess]:
-    """The services' command lines in start order (materializer, decoder, gateway).
+    """The services' command lines in start order: per replica its
+    materializer and decoder, then the gateway.
 
-    docker/compose.yaml runs the same command lines, with `python` for
-    sys.executable and its runtime directory for `runtime`.
+    One replica (the default): materializer, decoder, gateway, as
+    docker/compose.yaml runs them, with `python` for sys.executable and its
+    runtime directory for `runtime`. Replica i of several is named
+    `decoder-r<i>` / `materializer-r<i>`, runs deployment `<deployment>-r<i>`
+    on sockets `decoder-r<i>.sock` / `materializer-r<i>.sock`; the gateway
+    gets one --decoder per replica. `metrics_ports`: (decoder, materializer)
+    /metrics port per replica (default: the configured ones, offset by
+    replica_port).
     """
     py = python or sys.executable
-    dec_sock = f"unix://{runtime}/decoder.sock"
-    mat_sock = f"unix://{runtime}/materializer.sock"
-    common = ["--deployment", cfg.deployment, "--log-level", cfg.log_level]
-    materializer = ServiceProcess(
-        "materializer",
-        [
+    if metrics_ports is None:
+        metrics_ports = [
+            (
+                replica_port(cfg.decoder_metrics_port, i),
+                replica_port(cfg.materializer_metrics_port, i),
+            )
+            for i in range(cfg.replicas)
+        ]
+    pairs: list[ServiceProcess] = []
+    decoder_socks: list[str] = []
+    for i in range(cfg.replicas):
+        suffix = replica_suffix(cfg, i)
+        deployment = replica_deployment(cfg, i)
+        dec_port, mat_port = metrics_ports[i]
+        dec_sock = f"unix://{runtime}/decoder{suffix}.sock"
+        mat_sock = f"unix://{runtime}/materializer{suffix}.sock"
+        decoder_socks.append(dec_sock)
+        common = ["--deployment", deployment, "--log-level", cfg.log_level]
+        materializer = ServiceProcess(
+            "materializer" + suffix,
+            [
+                py,
+                "-m",
+                "materializer_svc",
+                "--listen",
+                mat_sock,
+                "--impl",
+                cfg.materializer_impl,
+                *common,
+                *_metrics_args(mat_port, cfg.metrics_host),
+            ],
+            mat_sock,
+            service_environment(cfg, "materializer"),
+            _metrics_url(cfg.metrics_host, mat_port),
+            role="materializer",
+            replica=i,
+            deployment=deployment,
+        )
+        decoder_args = [
             py,
             "-m",
-            "materializer_svc",
+            "decoder_svc",
             "--listen",
-            mat_sock,
-            "--impl",
-            cfg.materializer_impl,
+            dec_sock,
+            "--profile",
+            cfg.profile,
+            "--engine",
+            cfg.engine,
             *common,
-            *_metrics_args(cfg.materializer_metrics_port, cfg.metrics_host),
-        ],
-        mat_sock,
-        service_environment(cfg, "materializer"),
-        _metrics_url(cfg.metrics_host, cfg.materializer_metrics_port),
-    )
-    decoder_args = [
-        py,
-        "-m",
-        "decoder_svc",
-        "--listen",
-        dec_sock,
-        "--profile",
-        cfg.profile,
-        "--engine",
-        cfg.engine,
-        *common,
-        *_metrics_args(cfg.decoder_metrics_port, cfg.metrics_host),
-    ]
-    if not cfg.sync:
-        decoder_args += ["--materializer", mat_sock]
-    if cfg.model:
-        decoder_args += ["--model", cfg.model]
-    decoder = ServiceProcess(
-        "decoder",
-        decoder_args + list(cfg.extra_decoder_args),
-        dec_sock,
-        service_environment(cfg, "decoder"),
-        _metrics_url(cfg.metrics_host, cfg.decoder_metrics_port),
-    )
-    gateway_args = [
-        py,
-        "-m",
-        "gateway",
-        "--listen",
-        f"{cfg.host}:{cfg.port}",
-        "--decoder",
-        dec_sock,
-        "--http-port",
-        str(cfg.http_port),
-        "--log-level",
-        cfg.log_level,
-    ]
+            *_metrics_args(dec_port, cfg.metrics_host),
+        ]
+        if not cfg.sync:
+            decoder_args += ["--materializer", mat_sock]
+        if cfg.model:
+            decoder_args += ["--model", cfg.model]
+        decoder = ServiceProcess(
+            "decoder" + suffix,
+            decoder_args + list(cfg.extra_decoder_args),
+            dec_sock,
+            service_environment(cfg, "decoder"),
+            _metrics_url(cfg.metrics_host, dec_port),
+            role="decoder",
+            replica=i,
+            deployment=deployment,
+        )
+        pairs += ([] if cfg.sync else [materializer]) + [decoder]
+    gateway_args = [py, "-m", "gateway", "--listen", f"{cfg.host}:{cfg.port}"]
+    for sock in decoder_socks:
+        gateway_args += ["--decoder", sock]
+    gateway_args += ["--http-port", str(cfg.http_port), "--log-level", cfg.log_level]
     for flag, value in (
         ("--tls-cert", cfg.tls_cert),
         ("--tls-key", cfg.tls_key),
@@ -526,8 +637,9 @@ def service_commands(
         f"{dial_host(cfg.host)}:{cfg.port}",
         service_environment(cfg, "gateway"),
         _metrics_url(cfg.host, cfg.http_port),
+        deployment=cfg.deployment,
     )
-    return ([] if cfg.sync else [materializer]) + [decoder, gateway]
+    return pairs + [gateway]
 
 
 # -- processes ------------------------------------------------------------------------
@@ -798,6 +910,60 @@ def sweep_runtime_dirs() -> list[str]:
     return removed
 
 
+# -- rolling restarts ----------------------------------------------------------------------
+
+ROLLING_STATUS_FILE = "rolling-restart.json"  # in the runtime dir: the last rolling restart
+
+
+@dataclass
+class _Handover:
+    """One materializer of a rolling restart: its replacement starting on the
+    same socket path (phase "starting"), then the old one stopping ("draining").
+
+    The replacement runs with --take-over: it binds a fresh socket and renames
+    it over the path, so new connections reach it while the old process keeps
+    the connections it accepted; at exit the old one removes the path only if
+    it is still its own socket (materializer_svc/server.py).
+    """
+
+    svc: ServiceProcess
+    old: subprocess.Popen
+    new: subprocess.Popen
+    started: float  # time.monotonic() of the replacement's start
+    deadline: float  # of the current phase
+    old_socket: tuple[int, int] | None  # (st_dev, st_ino) of the path before the replacement
+    metrics_url: str
+    phase: str = "starting"
+    sigterm_at: float = 0.0
+    killed: bool = False
+
+
+def _socket_identity(path: str) -> tuple[int, int] | None:
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    return (st.st_dev, st.st_ino)
+
+
+def _port_free(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host.strip("[]"), port))
+        except OSError:
+            return False
+    return True
+
+
+def _with_metrics_port(argv: list[str], port: int) -> list[str]:
+    out = list(argv)
+    i = out.index("--metrics-port")
+    out[i + 1] = str(port)
+    return out
+
+
 # -- the stack -----------------------------------------------------------------------------
 
 
@@ -821,10 +987,17 @@ class Stack:
             cfg.port = free_port(dial_host(cfg.host))
         if cfg.http_port == 0:
             cfg.http_port = free_port(dial_host(cfg.host))
-        if cfg.decoder_metrics_port == 0:
-            cfg.decoder_metrics_port = free_port(dial_host(cfg.metrics_host))
-        if cfg.materializer_metrics_port == 0 and not cfg.sync:
-            cfg.materializer_metrics_port = free_port(dial_host(cfg.metrics_host))
+        # (decoder, materializer) /metrics port of each replica; 0 picked free now
+        metrics_ports = []
+        for i in range(cfg.replicas):
+            dec = replica_port(cfg.decoder_metrics_port, i)
+            mat = replica_port(cfg.materializer_metrics_port, i)
+            if dec == 0:
+                dec = free_port(dial_host(cfg.metrics_host))
+            if mat == 0 and not cfg.sync:
+                mat = free_port(dial_host(cfg.metrics_host))
+            metrics_ports.append((dec, mat))
+        cfg.decoder_metrics_port, cfg.materializer_metrics_port = metrics_ports[0]
         self.cfg = cfg
         self.subreaper = subreaper
         self._log = log or _log_stderr
@@ -836,7 +1009,9 @@ class Stack:
         else:
             self.runtime = _new_runtime_dir()
         longest = max(
-            len(os.fsencode(str(self.runtime / n))) for n in ("decoder.sock", "materializer.sock")
+            len(os.fsencode(str(self.runtime / f"{role}{replica_suffix(cfg, i)}.sock")))
+            for role in ("decoder", "materializer")
+            for i in range(cfg.replicas)
         )
         if longest > _MAX_UDS_PATH_BYTES:
             self._remove_runtime()
@@ -852,18 +1027,39 @@ class Stack:
             if self._own_runtime:
                 self._remove_runtime()
             raise
-        self.services = service_commands(cfg, self.runtime)
+        self.services = service_commands(cfg, self.runtime, metrics_ports=metrics_ports)
         self.killed: list[str] = []  # processes that had to be stopped after their service exited
         self.swept: list[str] = []  # stale segments and runtime directories removed at start
         self._stopped = False
+        # Rolling restarts (request_rolling_restart): at most one runs, one more may wait.
+        self._roll_requested = threading.Event()
+        self._roll: dict[str, Any] | None = None  # the run in progress (its status record)
+        self._roll_queue: list[ServiceProcess] = []
+        self._handover: _Handover | None = None
+        self._roll_count = 0
+        self.last_rolling_restart: dict[str, Any] | None = None  # the last finished run
 
     # -- addresses
     @property
     def shm_prefix(self) -> str:
-        return f"omni-{self.cfg.deployment}"
+        """The arena prefix of the stack's one replica (replica 0 of several)."""
+        return self.shm_prefixes[0]
+
+    @property
+    def shm_prefixes(self) -> list[str]:
+        """The arena prefix of each replica: omni-<its deployment>."""
+        return [f"omni-{replica_deployment(self.cfg, i)}" for i in range(self.cfg.replicas)]
+
+    def segments(self) -> list[str]:
+        """The arena segments of every replica present on this host."""
+        return sorted(name for prefix in self.shm_prefixes for name in list_segments(prefix))
 
     def service(self, name: str) -> ServiceProcess | None:
         return next((s for s in self.services if s.name == name), None)
+
+    def services_of(self, role: str) -> list[ServiceProcess]:
+        """Every replica's service of `role` (materializer, decoder, gateway), in replica order."""
+        return [s for s in self.services if s.role == role]
 
     @property
     def gateway_target(self) -> str:
@@ -871,7 +1067,12 @@ class Stack:
 
     @property
     def decoder_target(self) -> str:
-        return next(s.target for s in self.services if s.name == "decoder")
+        """The (first replica's) decoder."""
+        return self.decoder_targets[0]
+
+    @property
+    def decoder_targets(self) -> list[str]:
+        return [s.target for s in self.services_of("decoder")]
 
     @property
     def materializer_target(self) -> str | None:
@@ -891,7 +1092,7 @@ class Stack:
         rows += [
             (f"{s.name} metrics", s.metrics_url) for s in reversed(self.services) if s.metrics_url
         ]
-        rows += [(s.name, s.target) for s in self.services if s.name != "gateway"]
+        rows += [(s.name, s.target) for s in self.services if s.role != "gateway"]
         rows.append(("runtime dir", str(self.runtime)))
         return rows
 
@@ -927,22 +1128,26 @@ class Stack:
             self.stop()
             raise
 
-    def _spawn(self, svc: ServiceProcess) -> None:
+    def _popen(self, svc: ServiceProcess, argv: list[str]) -> subprocess.Popen:
         env = {**os.environ, **svc.env, "TMPDIR": str(self.runtime / "tmp")}
-        svc.proc = subprocess.Popen(
-            svc.argv,
+        return subprocess.Popen(
+            argv,
             env=env,
             start_new_session=True,
             pass_fds=(self._lock.fd,) if self._lock is not None else (),
             preexec_fn=_die_with_launcher(os.getpid()),
         )
+
+    def _spawn(self, svc: ServiceProcess) -> None:
+        svc.proc = self._popen(svc, svc.argv)
+        svc.metrics_url = svc.base_metrics_url
         svc.started_at = time.monotonic()
         svc.start_deadline = svc.started_at + self.cfg.startup_timeout
         svc.state = "starting"
 
     def _check_health(self, svc: ServiceProcess, timeout_s: float) -> str | None:
         """None when `svc` answers as ready within timeout_s, else the last problem seen."""
-        if svc.name == "gateway" and self.cfg.tls_cert:
+        if svc.role == "gateway" and self.cfg.tls_cert:
             return _tls_answers(dial_host(self.cfg.host), self.cfg.port, timeout_s)
         try:
             wait_for_health_sync(svc.target, timeout_s)
@@ -974,7 +1179,7 @@ class Stack:
             if problem is None:
                 return
             last = problem
-            if svc.name == "gateway" and self.cfg.tls_cert:
+            if svc.role == "gateway" and self.cfg.tls_cert:
                 time.sleep(0.1)
 
     # -- supervision
@@ -983,7 +1188,7 @@ class Stack:
         their own. Returns None once `stop` is set, or why it gave up (a service
         failed too often in a row, or restarts are off); the caller then stops
         the stack."""
-        while not stop.wait(poll_s):
+        while not stop.wait(poll_s if self._handover is None else min(poll_s, 0.05)):
             problem = self.poll()
             if problem is not None:
                 return problem
@@ -992,12 +1197,210 @@ class Stack:
 
     def poll(self) -> str | None:
         """One round of supervision: notice exits, restart after the backoff,
-        mark restarted services running once healthy. Returns why it gives up, or None."""
+        mark restarted services running once healthy, advance a rolling
+        restart. Returns why it gives up, or None."""
+        self._advance_rolling_restart()
         for svc in self.services:
             problem = self._poll_service(svc)
             if problem is not None:
                 return problem
         return None
+
+    # -- rolling restart of the materializers
+    def request_rolling_restart(self) -> None:
+        """Ask for a rolling restart of every materializer (safe from a signal
+        handler and other threads); supervise()/poll() carry it out. Asked
+        while one runs, one more follows it."""
+        self._roll_requested.set()
+
+    @property
+    def rolling_restart_running(self) -> bool:
+        return self._roll is not None
+
+    def rolling_restart(self, timeout_s: float = 300.0, poll_s: float = 0.05) -> dict[str, Any]:
+        """Run a rolling restart now, supervising meanwhile; return its record
+        (`state`: done or failed, `steps`: what was logged). Call it from the
+        thread that drives the stack."""
+        self.request_rolling_restart()
+        deadline = time.monotonic() + timeout_s
+        while self._roll_requested.is_set() or self._roll is not None:
+            if time.monotonic() > deadline:
+                raise StackError(f"rolling restart not done after {timeout_s:g}s")
+            problem = self.poll()
+            if problem is not None:
+                raise StackError(problem)
+            self.reap_orphans()
+            time.sleep(poll_s)
+        assert self.last_rolling_restart is not None
+        return self.last_rolling_restart
+
+    def _roll_log(self, message: str) -> None:
+        self._log(f"rolling restart: {message}")
+        if self._roll is not None:
+            self._roll["steps"].append(message)
+            self._write_roll_status()
+
+    def _write_roll_status(self) -> None:
+        record = self._roll or self.last_rolling_restart
+        if record is None or self._stopped:
+            return
+        path = self.runtime / ROLLING_STATUS_FILE
+        tmp = path.with_name(path.name + ".tmp")
+        with contextlib.suppress(OSError):
+            tmp.write_text(json.dumps(record) + "\n")
+            os.replace(tmp, path)
+
+    def _advance_rolling_restart(self) -> None:
+        if self._roll is None and self._roll_requested.is_set():
+            self._roll_requested.clear()
+            self._roll_count += 1
+            self._roll = {
+                "id": self._roll_count,
+                "state": "running",
+                "started": time.time(),
+                "finished": None,
+                "steps": [],
+            }
+            self._roll_queue = list(self.services_of("materializer"))
+            if self._roll_queue:
+                names = ", ".join(s.name for s in self._roll_queue)
+                self._roll_log(f"restarting {names} one at a time")
+            else:
+                self._roll_log("nothing to restart: this stack runs no materializer (--sync)")
+        if self._roll is None:
+            return
+        if self._handover is not None:
+            self._step_handover(self._handover)
+        while self._handover is None and self._roll_queue and self._roll is not None:
+            self._begin_handover(self._roll_queue.pop(0))
+        if self._handover is None and not self._roll_queue and self._roll is not None:
+            self._finish_roll("done")
+
+    def _finish_roll(self, state: str) -> None:
+        assert self._roll is not None
+        took = time.time() - self._roll["started"]
+        self._roll_log(f"{state} in {took * 1e3:.0f} ms")
+        self._roll.update(state=state, finished=time.time())
+        self.last_rolling_restart, self._roll = self._roll, None
+        self._roll_queue = []
+        self._write_roll_status()
+
+    def _begin_handover(self, svc: ServiceProcess) -> None:
+        old = svc.proc
+        if svc.state != "running" or old is None or old.poll() is not None:
+            self._roll_log(f"{svc.name}: skipped, it is not running (state {svc.state})")
+            return
+        path = svc.uds_path
+        assert path is not None, "materializers listen on Unix sockets"
+        old_socket = _socket_identity(path)
+        argv, metrics_url = svc.argv, svc.base_metrics_url
+        port = int(svc.argv[svc.argv.index("--metrics-port") + 1])
+        host = dial_host(self.cfg.metrics_host)
+        if port > 0 and not _port_free(self.cfg.metrics_host, port):
+            # The old one holds the configured port until it exits.
+            port = free_port(host)
+            argv = _with_metrics_port(svc.argv, port)
+            metrics_url = _metrics_url(self.cfg.metrics_host, port)
+        now = time.monotonic()
+        try:
+            new = self._popen(svc, [*argv, "--take-over"])
+        except OSError as exc:
+            self._roll_log(f"{svc.name}: could not start a replacement: {exc}")
+            self._finish_roll("failed")
+            return
+        self._handover = _Handover(
+            svc, old, new, now, now + self.cfg.startup_timeout, old_socket, metrics_url
+        )
+        moved = "" if metrics_url == svc.metrics_url else f", metrics at {metrics_url}"
+        self._roll_log(
+            f"{svc.name}: started replacement pid {new.pid} on {svc.target}{moved}; "
+            f"old pid {old.pid} keeps serving its streams"
+        )
+
+    def _step_handover(self, h: _Handover) -> None:
+        svc, now = h.svc, time.monotonic()
+        if h.phase == "starting":
+            code = h.new.poll()
+            if code is not None:
+                h.svc.dead_groups[h.new.pid] = time.time()
+                self._abort_handover(h, f"replacement pid {h.new.pid} {describe_exit(code)}")
+                return
+            if h.old.poll() is not None:  # the old one died meanwhile: adopt the replacement
+                svc.dead_groups[h.old.pid] = time.time()
+                svc.proc, svc.state = h.new, "starting"
+                svc.started_at, svc.start_deadline = h.started, h.deadline
+                svc.metrics_url = h.metrics_url
+                self._handover = None
+                self._roll_log(
+                    f"{svc.name}: old pid {h.old.pid} {describe_exit(h.old.returncode)} "
+                    f"before its replacement was healthy; pid {h.new.pid} takes over"
+                )
+                return
+            # The path names the replacement once it has renamed its socket over it.
+            taken = _socket_identity(svc.uds_path or "") not in (None, h.old_socket)
+            if taken and self._check_health(svc, 0.2) is None:
+                healthy = time.monotonic()
+                svc.proc, svc.state = h.new, "running"
+                svc.started_at, svc.healthy_at = h.started, healthy
+                svc.metrics_url = h.metrics_url
+                h.old.send_signal(signal.SIGTERM)
+                h.phase, h.sigterm_at = "draining", time.monotonic()
+                h.deadline = h.sigterm_at + self.cfg.drain_timeout
+                self._roll_log(
+                    f"{svc.name}: replacement pid {h.new.pid} healthy "
+                    f"{(healthy - h.started) * 1e3:.0f} ms after its start; "
+                    f"SIGTERM to old pid {h.old.pid}"
+                )
+                return
+            if now > h.deadline:
+                _signal_group(h.new.pid, signal.SIGKILL)
+                h.new.wait()
+                h.svc.dead_groups[h.new.pid] = time.time()
+                self._abort_handover(
+                    h,
+                    f"replacement pid {h.new.pid} not healthy within "
+                    f"{self.cfg.startup_timeout:g}s; killed",
+                )
+            return
+        # draining: the old one finishes its steps and exits
+        code = h.old.poll()
+        if code is None:
+            if now > h.deadline and not h.killed:
+                h.killed = True
+                self._roll_log(
+                    f"{svc.name}: old pid {h.old.pid} did not exit within "
+                    f"{self.cfg.drain_timeout:g}s of its SIGTERM; killing it"
+                )
+                _signal_group(h.old.pid, signal.SIGKILL)
+            return
+        took = (time.monotonic() - h.sigterm_at) * 1e3
+        self._end_draining(h)
+        how = "was killed" if h.killed else f"drained and {describe_exit(code)}"
+        self._roll_log(f"{svc.name}: old pid {h.old.pid} {how} in {took:.0f} ms")
+
+    def _end_draining(self, h: _Handover) -> None:
+        """The old one has exited: its leftovers go, the socket path stays the replacement's."""
+        self._handover = None
+        h.svc.dead_groups[h.old.pid] = time.time()
+        for p in _members({h.old.pid: h.svc.dead_groups[h.old.pid]}):
+            with contextlib.suppress(psutil.Error):
+                p.terminate()
+
+    def _abort_handover(self, h: _Handover, why: str) -> None:
+        """The replacement failed: the old one keeps serving."""
+        self._handover = None
+        if _socket_identity(h.svc.uds_path or "") != h.old_socket:
+            why += f"; {h.svc.target} no longer names the old one (the decoder falls back)"
+        self._roll_log(f"{h.svc.name}: {why}; old pid {h.old.pid} keeps serving")
+        self._finish_roll("failed")
+
+    def _handover_extra(self) -> list[tuple[ServiceProcess, subprocess.Popen]]:
+        """The process of a rolling restart that is not its service's `proc`:
+        the replacement while it starts, the old one while it drains."""
+        h = self._handover
+        if h is None:
+            return []
+        return [(h.svc, h.new if h.phase == "starting" else h.old)]
 
     def _poll_service(self, svc: ServiceProcess) -> str | None:
         now = time.monotonic()
@@ -1067,8 +1470,8 @@ class Stack:
             with contextlib.suppress(psutil.Error):
                 p.kill()
         self.reap_orphans()
-        if svc.name == "decoder":  # the dead decoder's arena, even a half-made one
-            sweep_stale(self.shm_prefix, creating_grace_s=0)
+        if svc.role == "decoder":  # the dead decoder's arena, even a half-made one
+            sweep_stale(f"omni-{svc.deployment}", creating_grace_s=0)
         svc.restarts += 1
         self._spawn(svc)
         self._log(
@@ -1085,12 +1488,11 @@ class Stack:
         """Every live process the services started, children of children included."""
         found: dict[int, psutil.Process] = {}
         roots: list[psutil.Process] = []
-        for svc in self.services:
-            if svc.proc is not None:
-                with contextlib.suppress(psutil.Error):
-                    roots.append(psutil.Process(svc.proc.pid))
+        for proc in self._leaders():
+            with contextlib.suppress(psutil.Error):
+                roots.append(psutil.Process(proc.pid))
         if self.subreaper:  # orphans re-parented to us
-            leaders = {s.proc.pid for s in self.services if s.proc is not None}
+            leaders = {p.pid for p in self._leaders()}
             with contextlib.suppress(psutil.Error):
                 roots += [p for p in psutil.Process().children() if p.pid not in leaders]
         for root in roots:
@@ -1103,12 +1505,17 @@ class Stack:
         """Collect exit statuses of re-parented orphans (only with subreaper)."""
         if not self.subreaper:
             return
-        leaders = {s.proc.pid for s in self.services if s.proc is not None}
+        leaders = {p.pid for p in self._leaders()}
         with contextlib.suppress(psutil.Error):
             for child in psutil.Process().children():
                 if child.pid not in leaders:
                     with contextlib.suppress(ChildProcessError, OSError):
                         os.waitpid(child.pid, os.WNOHANG)
+
+    def _leaders(self) -> list[subprocess.Popen]:
+        """Every service process started (a rolling restart's extra one included)."""
+        procs = [s.proc for s in self.services if s.proc is not None]
+        return procs + [proc for _, proc in self._handover_extra()]
 
     def _groups(self) -> dict[int, float | None]:
         """Process groups of every service incarnation (each leads its own):
@@ -1120,6 +1527,11 @@ class Stack:
             groups.update(svc.dead_groups)
             if svc.proc is not None and svc.proc.returncode is None:
                 groups[svc.proc.pid] = None
+        for svc, proc in self._handover_extra():
+            if proc.returncode is None:
+                groups[proc.pid] = None
+            else:
+                groups.setdefault(proc.pid, svc.dead_groups.setdefault(proc.pid, time.time()))
         return groups
 
     def kill(self) -> None:
@@ -1138,7 +1550,7 @@ class Stack:
         moment to kill what is left. Returns the deployment's shared-memory
         segments still present."""
         if self._stopped:
-            return list_segments(self.shm_prefix)
+            return self.segments()
         self._stopped = True
         timeout = self.cfg.stop_timeout if timeout_s is None else timeout_s
         deadline = time.monotonic() + timeout
@@ -1147,10 +1559,14 @@ class Stack:
         # under a second): a slow gateway cannot leave the others no time at all.
         share = min(2.0, timeout / 6)
         tracked = {p.pid: p for p in self.descendants()}
-        order = list(reversed(self.services))
-        for i, svc in enumerate(order):
+        extra = dict((id(svc), proc) for svc, proc in self._handover_extra())
+        order: list[tuple[ServiceProcess, subprocess.Popen | None]] = []
+        for svc in reversed(self.services):
+            order.append((svc, svc.proc))
+            if id(svc) in extra:  # a rolling restart's other process stops with it
+                order.append((svc, extra[id(svc)]))
+        for i, (svc, proc) in enumerate(order):
             svc.state = "stopped"
-            proc = svc.proc
             if proc is None or proc.poll() is not None:
                 continue
             proc.send_signal(signal.SIGTERM)
@@ -1160,11 +1576,19 @@ class Stack:
                 proc.wait(max(until - sent, 0.0))
             except subprocess.TimeoutExpired:
                 self._log(
-                    f"{svc.name} did not stop within {time.monotonic() - sent:.1f}s of its "
-                    f"SIGTERM; killing it"
+                    f"{svc.name} (pid {proc.pid}) did not stop within "
+                    f"{time.monotonic() - sent:.1f}s of its SIGTERM; killing it"
                 )
                 _signal_group(proc.pid, signal.SIGKILL)
                 proc.wait()
+        h, self._handover = self._handover, None
+        if h is not None:
+            for proc in (h.old, h.new):
+                h.svc.dead_groups.setdefault(proc.pid, time.time())
+        if self._roll is not None:
+            self._roll["steps"].append("the stack stopped before it was done")
+            self._roll.update(state="failed", finished=time.time())
+            self.last_rolling_restart, self._roll = self._roll, None
         # What the services started and did not stop: children of children,
         # orphans re-parented to us, anything still in their process groups.
         tracked.update({p.pid: p for p in self.descendants()})
@@ -1183,9 +1607,10 @@ class Stack:
         self.reap_orphans()
         # A killed decoder cannot unlink its arena; its flock is gone, so sweep
         # (a half-made one too: one killed while creating it left no header).
-        sweep_stale(self.shm_prefix, creating_grace_s=0)
+        for prefix in self.shm_prefixes:
+            sweep_stale(prefix, creating_grace_s=0)
         self._remove_runtime()
-        return list_segments(self.shm_prefix)
+        return self.segments()
 
     def _group_members(self) -> list[psutil.Process]:
         return _members(self._groups())
@@ -1195,6 +1620,9 @@ class Stack:
             shutil.rmtree(self.runtime, ignore_errors=True)
         else:
             shutil.rmtree(self.runtime / "tmp", ignore_errors=True)
+            for name in (ROLLING_STATUS_FILE, ROLLING_STATUS_FILE + ".tmp"):
+                with contextlib.suppress(OSError):
+                    (self.runtime / name).unlink()
         if self._lock is not None:  # last: the directory is ours until it is gone
             self._lock.release(unlink=not self._own_runtime)
 
@@ -1230,6 +1658,8 @@ def deployment_segments(deployment: str) -> list[str]:
 def run_up(cfg: StackConfig, out=None) -> int:
     """Start the stack, print its endpoints, supervise it until Ctrl-C/SIGTERM, stop it.
 
+    SIGHUP asks for a rolling restart of the materializers (Stack.request_rolling_restart).
+
     Exit status: 0 after a stop asked by SIGTERM or Ctrl-C (restarts on the
     way included); 1 when a service failed to start, failed more often in a
     row than max_restarts allows, or something was left behind; 130 when
@@ -1251,13 +1681,18 @@ def run_up(cfg: StackConfig, out=None) -> int:
         if len(signals_seen) > 1:  # asked twice: no more waiting
             stack.kill()
 
+    def on_hangup(signum: int, frame: object) -> None:
+        stack.request_rolling_restart()
+
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, on_hangup)
     rc = 0
     try:
         print(
             f"starting omni-serving: deployment {cfg.deployment}, profile {cfg.profile}, "
             f"engine {cfg.engine}, materializer "
-            f"{'none (sync)' if cfg.sync else cfg.materializer_impl} ...",
+            f"{'none (sync)' if cfg.sync else cfg.materializer_impl}"
+            f"{f', {cfg.replicas} replicas' if cfg.replicas > 1 else ''} ...",
             file=sys.stderr,
             flush=True,
         )
@@ -1275,7 +1710,17 @@ def run_up(cfg: StackConfig, out=None) -> int:
         lines.append(
             f'try: omni-serving speak "Hello there" -o hello.wav --target {stack.gateway_target}'
         )
-        lines.append("Ctrl-C stops all three.")
+        lines.append(
+            "Ctrl-C stops all three."
+            if cfg.replicas == 1
+            else f"Ctrl-C stops all {len(stack.services)} services."
+        )
+        if not cfg.sync:
+            lines.append(
+                f"rolling restart of the materializer{'s' if cfg.replicas > 1 else ''}: "
+                f"omni-serving restart materializer --runtime-dir {stack.runtime} "
+                f"(or kill -HUP {os.getpid()})"
+            )
         print("\n".join(lines), file=out, flush=True)
         problem = stack.supervise(stop_requested)
         if problem is not None:
@@ -1300,3 +1745,141 @@ def run_up(cfg: StackConfig, out=None) -> int:
         return 1
     print(f"stopped in {time.monotonic() - started:.1f}s", file=sys.stderr)
     return rc
+
+
+# -- `omni-serving restart materializer` ----------------------------------------------------
+
+
+@dataclass
+class RunningStack:
+    """A live `omni-serving up`, as its runtime directory's owner record tells."""
+
+    runtime: Path
+    pid: int
+    deployment: str
+
+
+def _owner_of(directory: Path) -> RunningStack | None:
+    """The live launcher recorded in `directory`/owner, or None."""
+    try:
+        fd = os.open(directory / OWNER_FILE, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        record = _read_record(fd)
+    finally:
+        os.close(fd)
+    if record is None:
+        return None
+    try:
+        proc = psutil.Process(record["pid"])
+        # The same process, not a later one that got its pid.
+        if abs(proc.create_time() - float(record.get("start_time", 0))) > 0.5 or not _alive(proc):
+            return None
+    except (psutil.Error, TypeError, ValueError):
+        return None
+    return RunningStack(directory.absolute(), record["pid"], str(record.get("deployment", "")))
+
+
+def find_running_stacks() -> list[RunningStack]:
+    """The live `up` launchers whose runtime directory `up` created (omni-serving-* in
+    runtime_parents()); a stack started with --runtime-dir is found by that directory."""
+    found = []
+    for parent in runtime_parents():
+        for directory in sorted(parent.glob(RUNTIME_DIR_PREFIX + "*")):
+            with contextlib.suppress(OSError):
+                if directory.is_dir() and directory.stat().st_uid == os.getuid():
+                    owner = _owner_of(directory)
+                    if owner is not None:
+                        found.append(owner)
+    return found
+
+
+def find_running_stack(deployment: str = "", runtime_dir: str = "") -> RunningStack:
+    """The one live `up` named by deployment or runtime directory (or the only one)."""
+    if runtime_dir:
+        owner = _owner_of(Path(runtime_dir))
+        if owner is None:
+            raise StackError(
+                f"--runtime-dir: no running `omni-serving up` owns {runtime_dir} "
+                f"(no {OWNER_FILE} record of a live launcher there)"
+            )
+        if deployment and owner.deployment != deployment:
+            raise StackError(
+                f"--deployment: the stack in {runtime_dir} is deployment {owner.deployment!r}, "
+                f"not {deployment!r}"
+            )
+        return owner
+    stacks = find_running_stacks()
+    if deployment:
+        stacks = [s for s in stacks if s.deployment == deployment]
+        if not stacks:
+            raise StackError(
+                f"--deployment: no running `omni-serving up` of deployment {deployment!r} "
+                f"found in {', '.join(map(str, runtime_parents()))} (a stack started with "
+                f"--runtime-dir is found with --runtime-dir)"
+            )
+    if not stacks:
+        raise StackError("no running `omni-serving up` found; name one with --runtime-dir")
+    if len(stacks) > 1:
+        listed = ", ".join(f"{s.deployment} (pid {s.pid}, {s.runtime})" for s in stacks)
+        raise StackError(f"several stacks run ({listed}); choose one with --deployment")
+    return stacks[0]
+
+
+def read_rolling_status(runtime: Path) -> dict[str, Any] | None:
+    try:
+        record = json.loads((runtime / ROLLING_STATUS_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return record if isinstance(record, dict) else None
+
+
+def run_restart_materializer(
+    deployment: str = "", runtime_dir: str = "", timeout_s: float = 300.0, out=None
+) -> int:
+    """Ask a running `up` for a rolling restart of its materializers (SIGHUP),
+    then follow it in the runtime directory's status record until it is done.
+
+    Exit status: 0 done, 1 failed or not done within timeout_s, 2 no such stack.
+    """
+    out = out or sys.stdout
+    try:
+        stack = find_running_stack(deployment, runtime_dir)
+    except StackError as exc:
+        print(f"omni-serving restart: error: {exc}", file=sys.stderr)
+        return 2
+    before = read_rolling_status(stack.runtime)
+    last_id = before["id"] if before and isinstance(before.get("id"), int) else 0
+    os.kill(stack.pid, signal.SIGHUP)
+    print(
+        f"asked `omni-serving up` (pid {stack.pid}, deployment {stack.deployment}, "
+        f"runtime dir {stack.runtime}) for a rolling restart of its materializers",
+        file=out,
+        flush=True,
+    )
+    if timeout_s <= 0:
+        return 0
+    deadline = time.monotonic() + timeout_s
+    shown = 0
+    while time.monotonic() < deadline:
+        record = read_rolling_status(stack.runtime)
+        if record is not None and isinstance(record.get("id"), int) and record["id"] > last_id:
+            steps = record.get("steps") or []
+            for step in steps[shown:]:
+                print(f"  {step}", file=out, flush=True)
+            shown = len(steps)
+            if record.get("state") == "done":
+                return 0
+            if record.get("state") == "failed":
+                print("omni-serving restart: the rolling restart failed", file=sys.stderr)
+                return 1
+        if _owner_of(stack.runtime) is None:
+            print("omni-serving restart: error: the stack stopped meanwhile", file=sys.stderr)
+            return 1
+        time.sleep(0.1)
+    print(
+        f"omni-serving restart: not done after {timeout_s:g}s; `up`'s log has the rest",
+        file=sys.stderr,
+    )
+    return 1

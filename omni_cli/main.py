@@ -18,6 +18,12 @@ def _cmd_up(args: argparse.Namespace) -> int:
     return run_up(cfg)
 
 
+def _cmd_restart(args: argparse.Namespace) -> int:
+    from omni_cli.launcher import run_restart_materializer
+
+    return run_restart_materializer(args.deployment, args.runtime_dir, args.timeout)
+
+
 def _read_token(path: str) -> str | None:
     """The bearer token in a file (None: the client falls back to OMNI_GATEWAY_TOKEN)."""
     return Path(path).read_text().strip() if path else None
@@ -151,6 +157,24 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_up_arguments(up)
     up.set_defaults(func=_cmd_up)
+
+    rs = sub.add_parser(
+        "restart",
+        help="rolling restart of a running `up`'s materializers, without failing a request",
+        description="Find a running `omni-serving up` (by --deployment or --runtime-dir; alone, "
+        "the only one) and ask it (SIGHUP) to restart each materializer in turn: a replacement "
+        "starts on the same socket, and once it is healthy the old one gets SIGTERM and finishes "
+        "its steps. Prints each step; exit 0 once done, 1 if it failed. See docs/configuration.md.",
+    )
+    rs.add_argument("service", choices=["materializer"], help="what to restart")
+    where = rs.add_mutually_exclusive_group()
+    where.add_argument("--deployment", default="", metavar="NAME",
+                       help="the stack's deployment name (stacks whose runtime dir `up` created)")
+    where.add_argument("--runtime-dir", default="", metavar="DIR", help="the stack's runtime directory")
+    rs.add_argument("--timeout", type=float, default=300.0, metavar="S",
+                    help="seconds to follow the restart before giving up waiting (0 = do not wait; "
+                    "default: 300)")
+    rs.set_defaults(func=_cmd_restart)
 
     sp = sub.add_parser("speak", help="speak a text through the gateway and write a WAV")
     sp.add_argument("text")
