@@ -81,9 +81,9 @@ def test_handover_under_load_loses_nothing_and_builds_nothing_in_process(tmp_pat
         first = dec.info().materializer
         assert first.instance_id == info(old.target).instance_id
         assert (first.implementation, first.transport, first.contract_version) == ("pool", "shm", 2)
-        with Feeder(dec.target, "h", concurrency=32, frames=160) as feeder:
+        with Feeder(dec.target, "h", concurrency=64, frames=160) as feeder:
             wait_for(
-                lambda: dec.steps() > 100 and dec.info().active_requests >= 16, 60, "load started"
+                lambda: dec.steps() > 100 and dec.info().active_requests >= 48, 60, "load started"
             )
             new.start()  # (returns at once: the old one answers health on the path)
             # the replacement binds the same path: new connections reach it
