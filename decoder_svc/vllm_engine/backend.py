@@ -18,6 +18,12 @@ scheduler): ``step()`` returns the captured rows of the step whose outputs the
 engine just processed, together with those outputs. Rows and finish reasons
 always describe the same step, and a request's last row carries its finish.
 
+With tensor parallelism (thinker stages) the runners live in vLLM's worker
+processes: the hook captures in TP rank 0's worker and ``step()`` fetches
+those captures right after ``engine.step()``
+(:class:`.runner_hook.WorkerCapture`), each with this process's
+``SchedulerOutput`` of its step, so the alignment above holds unchanged.
+
 Rows dropped (consistently across request ids, spans, tokens, hidden rows and
 codes): rows whose sampled token is discarded (a partial prefill chunk) or a
 ``-1`` placeholder, and rows of requests that already finished or were
@@ -65,6 +71,7 @@ from typing import Any
 import torch
 
 from decoder_svc.backend import RequestSpec, StepOutput
+from decoder_svc.profile import parallel_refusal
 from omni_common.errors import FailedPreconditionError, InvalidArgumentError
 from omni_common.materialize import PER_REQUEST as TENSOR_LAYOUT_PER_REQUEST
 from omni_common.materialize import PER_TOKEN as TENSOR_LAYOUT_PER_TOKEN
@@ -128,6 +135,13 @@ class VLLMBackend:
     ``model_dir``.
     """
 
+    # Why this backend needs vLLM's model runner in this process (the error
+    # for a stage asking for tensor/pipeline parallelism names it).
+    in_process_reason = (
+        "the step hook hands each step's sampled ids and hidden rows to the decoder from vLLM's "
+        "model runner in the decoder process"
+    )
+
     def __init__(
         self,
         model_dir: str | Path,
@@ -146,6 +160,9 @@ class VLLMBackend:
         pooling_engine: str = "lazy",
         max_model_len: int = 2048,
         kv_cache_memory_bytes: int = 64 * 2**20,
+        tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        distributed_executor_backend: str | None = None,
         **engine_kwargs: Any,
     ) -> None:
         """model_dir: a checkpoint written by ``models.create_model``.
@@ -160,7 +177,26 @@ class VLLMBackend:
           end-of-speech id); the model's EOS always stops a request.
         pooling_engine: "lazy" (build the embedding engine on the first
           ``embed``), "eager" (build it now) or "off" (``embed`` raises).
+        tensor_parallel_size / pipeline_parallel_size /
+          distributed_executor_backend: vLLM's parallelism for this stage
+          (the profile's keys), checked here before any engine starts
+          (``decoder_svc.profile.parallel_refusal``; docs/profiles.md,
+          "Tensor and pipeline parallelism"): tensor parallelism runs for
+          the thinker role (the step is captured in TP rank 0's worker
+          process and fetched after each ``engine.step()``:
+          ``runner_hook.WorkerCapture``); for other roles, pipeline
+          parallelism and an explicit executor backend are refused.
         """
+        refused = parallel_refusal(
+            name or role or "?",
+            role or "",
+            tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size,
+            distributed_executor_backend=distributed_executor_backend,
+            reason=self.in_process_reason,
+        )
+        if refused is not None:
+            raise refused
         self.model_dir = Path(model_dir)
         if pooling_engine not in ("lazy", "eager", "off"):
             raise InvalidArgumentError("pooling_engine", "must be 'lazy', 'eager' or 'off'")
@@ -171,9 +207,12 @@ class VLLMBackend:
         self.is_talker = self.role == "talker"
         if self.is_talker and speculative_config is not None:
             raise InvalidArgumentError(
-                "speculative_config", "the talker emits one codec frame per step; speculative decoding is not supported"
+                "speculative_config",
+                "the talker emits one codec frame per step; speculative decoding is not supported",
             )
-        self.capture_hidden = (not self.is_talker) if capture_hidden is None else bool(capture_hidden)
+        self.capture_hidden = (
+            (not self.is_talker) if capture_hidden is None else bool(capture_hidden)
+        )
         self.default_max_tokens = int(default_max_tokens or DEFAULT_MAX_TOKENS[self.role])
         self.stop_token_ids = [int(t) for t in stop_token_ids or ()]
         self.max_num_seqs = max_num_seqs
@@ -181,6 +220,12 @@ class VLLMBackend:
         self._max_model_len = max_model_len
         self._kv_bytes = kv_cache_memory_bytes
         self._pooling_mode = pooling_engine
+        self._parallel_args: dict[str, Any] = {
+            "tensor_parallel_size": int(tensor_parallel_size),
+            "pipeline_parallel_size": int(pipeline_parallel_size),
+        }
+        if distributed_executor_backend:  # pragma: no cover - refused above
+            self._parallel_args["distributed_executor_backend"] = distributed_executor_backend
         if enable_prompt_embeds is None:
             enable_prompt_embeds = self.is_talker  # talker prompts can be thinker hidden rows
         self.enable_prompt_embeds = bool(enable_prompt_embeds)
@@ -210,9 +255,15 @@ class VLLMBackend:
                 kv_cache_memory_bytes=kv_cache_memory_bytes,
                 enable_prompt_embeds=self.enable_prompt_embeds,
                 speculative_config=speculative_config,
+                **self._parallel_args,
                 **{**self._engine_kwargs(), **engine_kwargs},
             )
-            self._hook = rh.install_step_callback(self._on_capture, self.engine)
+            self._worker_capture: rh.WorkerCapture | None = None
+            if rh.runs_in_process(self.engine):
+                self._hook: Any = rh.install_step_callback(self._on_capture, self.engine)
+            else:  # tensor parallelism: the runners are in worker processes
+                self._worker_capture = rh.WorkerCapture(self.engine, hidden=self.capture_hidden)
+                self._hook = self._worker_capture
             self._wrap_scheduler()
             self._after_engine()
             if pooling_engine == "eager":
@@ -241,7 +292,10 @@ class VLLMBackend:
             cp = load_code_predictor(self.model_dir).to(torch.float32)
             k1, v, h = cp.shape
             if (k1, v, h) != (self.num_codebooks - 1, self.codec_vocab, self.hidden_size):
-                raise InvalidArgumentError("model_dir", f"code predictor shape {tuple(cp.shape)} does not match omni_stage.json")
+                raise InvalidArgumentError(
+                    "model_dir",
+                    f"code predictor shape {tuple(cp.shape)} does not match omni_stage.json",
+                )
             self._cp_weight = cp.reshape(k1 * v, h).contiguous()
 
     def _engine_kwargs(self) -> dict[str, Any]:
@@ -251,7 +305,9 @@ class VLLMBackend:
     def _after_engine(self) -> None:
         """Called once the engine is built (under the forward lock)."""
 
-    def _codes(self, cap: rh.StepCapture, tokens: torch.Tensor, row_ok: torch.Tensor) -> torch.Tensor:
+    def _codes(
+        self, cap: rh.StepCapture, tokens: torch.Tensor, row_ok: torch.Tensor
+    ) -> torch.Tensor:
         """Talker: all codebooks of the frame each row sampled, [n, K] int64."""
         n = tokens.shape[0]
         last = cap.hidden_states[cap.query_start_loc[1:].long() - 1].to(torch.float32)  # [n, H]
@@ -323,7 +379,7 @@ class VLLMBackend:
             "enable_prompt_embeds": bool(vc.model_config.enable_prompt_embeds),
             "capture_hidden": self.capture_hidden,
             "max_num_seqs": int(vc.scheduler_config.max_num_seqs),
-            "runner": type(rh.get_model_runner(self.engine)).__qualname__,
+            "runner": rh.runner_class_name(self.engine),
             "vllm_version": vllm.__version__,
         }
         facts["async_output_eligible"] = (
@@ -377,18 +433,24 @@ class VLLMBackend:
         cond = spec.conditioning.get("thinker_hidden") if spec.conditioning else None
         if cond is not None:
             if not self.enable_prompt_embeds:
-                raise InvalidArgumentError("conditioning.thinker_hidden", f"stage {self.name!r} was built without prompt embeds")
+                raise InvalidArgumentError(
+                    "conditioning.thinker_hidden",
+                    f"stage {self.name!r} was built without prompt embeds",
+                )
             emb = torch.as_tensor(cond).detach().to(torch.float32)
             if emb.dim() != 2 or emb.shape[0] == 0 or emb.shape[1] != self.hidden_size:
                 raise InvalidArgumentError(
-                    "conditioning.thinker_hidden", f"must be [T > 0, {self.hidden_size}], got {list(emb.shape)}"
+                    "conditioning.thinker_hidden",
+                    f"must be [T > 0, {self.hidden_size}], got {list(emb.shape)}",
                 )
             return {"prompt_embeds": emb.contiguous()}
         return {"prompt_token_ids": self._encode(spec.prompt)}
 
     def add_request(self, spec: RequestSpec) -> None:
         if spec.task != "generate":
-            raise InvalidArgumentError("task", f"step requests must be 'generate'; use embed() for {spec.task!r}")
+            raise InvalidArgumentError(
+                "task", f"step requests must be 'generate'; use embed() for {spec.task!r}"
+            )
         params = self._sampling_params(spec)
         prompt = self._prompt(spec)
         with self._lock:
@@ -421,7 +483,13 @@ class VLLMBackend:
             return bool(self._ready) or self.engine.has_unfinished_requests()
 
     # -- the step hook (stage thread, inside engine.step()) ------------------------
-    def _on_capture(self, cap: rh.StepCapture) -> None:
+    def _on_capture(
+        self, cap: rh.StepCapture, key: Any = None, extra: dict[str, torch.Tensor] | None = None
+    ) -> None:
+        """One captured step: in process (the step hook, inside
+        ``engine.step()``: key and extra from the capture and this backend)
+        or fetched from the capturing worker after it (``WorkerCapture``:
+        the step's SchedulerOutput here as key, the worker's extra rows)."""
         sampled = cap.sampled_token_ids.to(torch.int64)  # a copy: the runner may reuse its tensor
         n, s = sampled.shape
         valid = sampled >= 0
@@ -434,10 +502,11 @@ class VLLMBackend:
             accepted = sampled
         codes = self._codes(cap, tokens, row_ok) if self.is_talker else None
         hidden = cap.hidden_states.to(torch.float32, copy=True) if self.capture_hidden else None
-        extra = self._extra_outputs(cap)
+        if extra is None:
+            extra = self._extra_outputs(cap)
         self._captured.append(
             _Captured(
-                key=cap.scheduler_output,
+                key=cap.scheduler_output if key is None else key,
                 step_index=cap.step_index,
                 req_ids=list(cap.req_ids),
                 row_ok=row_ok,
@@ -464,6 +533,9 @@ class VLLMBackend:
             del self._updated[:]
             with FORWARD_LOCK:
                 outputs = self.engine.step()
+                if self._worker_capture is not None:
+                    for key, cap, extra in self._worker_capture.take():
+                        self._on_capture(cap, key, extra)
             updated = list(self._updated)
             del self._updated[:]
             # Engine outputs of the processed step(s): finishes and text deltas.
@@ -494,10 +566,15 @@ class VLLMBackend:
                     self._ext_of.pop(internal, None)
                     self._forget(ext)
         self.steps += 1
-        outs = [self._build(cap, live, ext_ids, finished, text, engine_ids) for cap, live, ext_ids in batches]
+        outs = [
+            self._build(cap, live, ext_ids, finished, text, engine_ids)
+            for cap, live, ext_ids in batches
+        ]
         if not outs:
             if finished:  # pragma: no cover - a finish without a captured step
-                log.warning("%s: requests finished without a captured row: %s", self.name, sorted(finished))
+                log.warning(
+                    "%s: requests finished without a captured row: %s", self.name, sorted(finished)
+                )
             return None
         if len(outs) > 1:  # pragma: no cover - the batch queue processes one step per call
             # Finishes/text belong to the last processed step's rows; keep order.
@@ -540,7 +617,11 @@ class VLLMBackend:
         nst = cap.num_scheduled[idx]
         qsl = torch.zeros(len(rows) + 1, dtype=torch.int32)
         qsl[1:] = torch.cumsum(nst, 0)
-        token_keep = None if len(rows) == n_all else keep[torch.repeat_interleave(torch.arange(n_all), cap.num_scheduled)]
+        token_keep = (
+            None
+            if len(rows) == n_all
+            else keep[torch.repeat_interleave(torch.arange(n_all), cap.num_scheduled)]
+        )
         hidden = None
         if cap.hidden is not None:
             hidden = cap.hidden if token_keep is None else cap.hidden[token_keep]
@@ -550,15 +631,21 @@ class VLLMBackend:
         deltas: dict[str, str] = {}
         if not self.is_talker:  # text stage: token ids + text per row, as the engine reports them
             captured = tokens[:, 0].tolist()
-            new_ids = {rid: engine_ids.get(rid) or [t] for rid, t in zip(request_ids, captured, strict=True)}
+            new_ids = {
+                rid: engine_ids.get(rid) or [t]
+                for rid, t in zip(request_ids, captured, strict=True)
+            }
             deltas = {rid: text.get(rid, "") for rid in request_ids}
             if cap.accepted is not None:
                 # speculative decoding: a row may have sampled past the request's
                 # end (the scheduler cuts at max_tokens / stop); its last token
                 # is the last one the engine kept.
-                tokens = torch.tensor([[new_ids[rid][-1]] for rid in request_ids], dtype=torch.int64).reshape(-1, 1)
+                tokens = torch.tensor(
+                    [[new_ids[rid][-1]] for rid in request_ids], dtype=torch.int64
+                ).reshape(-1, 1)
         mm: dict[str, tuple[torch.Tensor, int]] = {
-            name: (t if token_keep is None else t[token_keep], TENSOR_LAYOUT_PER_TOKEN) for name, t in cap.extra.items()
+            name: (t if token_keep is None else t[token_keep], TENSOR_LAYOUT_PER_TOKEN)
+            for name, t in cap.extra.items()
         }
         if cap.codes is not None:
             mm["codec_codes"] = (cap.codes[idx], TENSOR_LAYOUT_PER_REQUEST)

@@ -70,7 +70,8 @@ def _role(stage: StageConfig) -> str:
     role = stage.engine_role or stage.name
     if role not in ("talker", "thinker"):
         raise InvalidArgumentError(
-            f"stages[{stage.stage_id}].engine_role", f"vLLM stages are 'talker' or 'thinker', got {role!r}"
+            f"stages[{stage.stage_id}].engine_role",
+            f"vLLM stages are 'talker' or 'thinker', got {role!r}",
         )
     return role
 
@@ -92,7 +93,10 @@ def stage_model_config(role: str, seed: int = 0) -> dict[str, Any]:
 
 
 def _matches(model_dir: Path, want: dict[str, Any]) -> bool:
-    if not (model_dir / STAGE_CONFIG_FILE).is_file() or not (model_dir / "model.safetensors").is_file():
+    if (
+        not (model_dir / STAGE_CONFIG_FILE).is_file()
+        or not (model_dir / "model.safetensors").is_file()
+    ):
         return False
     try:
         have = read_stage_config(model_dir)
@@ -115,7 +119,9 @@ def _write_stage_model(stage: StageConfig, target: Path, seed: int) -> None:
     )
 
 
-def create_profile_models(profile_name: str | Profile, out_dir: Path, *, seed: int = 0) -> dict[str, Path]:
+def create_profile_models(
+    profile_name: str | Profile, out_dir: Path, *, seed: int = 0
+) -> dict[str, Path]:
     """Write one checkpoint per AR stage of the profile: {stage name: dir}.
 
     Layout: ``out_dir/<stage name>/``. A directory whose omni_stage.json
@@ -153,7 +159,11 @@ def build_backends(
 
     Per stage: role from ``engine_role``; ``capture_hidden`` when a route
     reads ``hidden_states``; ``async_scheduling``,
-    ``enable_prefix_caching`` and ``speculative_decoding`` from the stage.
+    ``enable_prefix_caching`` and ``speculative_decoding`` from the stage;
+    ``tensor_parallel_size``, ``pipeline_parallel_size`` and
+    ``distributed_executor_backend`` (:meth:`StageConfig.engine_args`) go to
+    the engine (VLLMBackend refuses what the stage's role cannot run:
+    ``decoder_svc.profile.parallel_refusal``).
     backend_kwargs go to every VLLMBackend (they override the above).
     """
     from .backend import VLLMBackend
@@ -171,7 +181,8 @@ def build_backends(
             if not _matches(target, {"kind": _role(stage)}):
                 if (target / STAGE_CONFIG_FILE).exists():
                     raise InvalidArgumentError(
-                        "model_dir", f"{target} holds a {read_stage_config(target).get('kind')!r} model, stage {stage.name!r} needs {_role(stage)!r}"
+                        "model_dir",
+                        f"{target} holds a {read_stage_config(target).get('kind')!r} model, stage {stage.name!r} needs {_role(stage)!r}",
                     )
                 _write_stage_model(stage, target, seed)
             dirs[stage.name] = target
@@ -186,7 +197,10 @@ def build_backends(
                 seed=seed,
                 async_scheduling=stage.async_scheduling,
                 enable_prefix_caching=stage.enable_prefix_caching,
-                speculative_config=dict(NGRAM_SPECULATIVE_CONFIG) if stage.speculative_decoding else None,
+                speculative_config=dict(NGRAM_SPECULATIVE_CONFIG)
+                if stage.speculative_decoding
+                else None,
+                **stage.engine_args(),
             )
             kwargs.update(backend_kwargs)
             backends[stage.name] = VLLMBackend(dirs[stage.name], **kwargs)

@@ -42,6 +42,33 @@ several ids per row per step): completion is known from RequestOutput. ``logits`
 them in place by the temperature and masks top-k/top-p, so recompute
 ``sample_hidden_states @ lm_head.T`` if raw logits are needed.
 
+Worker processes (tensor parallelism)
+-------------------------------------
+With ``tensor_parallel_size > 1`` vLLM's executor is a ``MultiprocExecutor``:
+each rank's model runner lives in its own worker process (the engine core and
+its scheduler stay in this process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), and
+there is no runner to reach here (:func:`get_model_runner` raises;
+:func:`runs_in_process` tells the two apart). :class:`WorkerCapture` then
+captures in the worker of TP rank 0 instead: the step hook is attached on
+every rank (``collective_rpc``), the capture callback
+(:func:`_capture_in_worker`, module level) runs on rank 0 only and keeps each
+step's :class:`StepCapture` (tensors copied, on CPU; ``hidden_states`` only
+when asked for; no logits) together with the rows of any per-step providers
+installed there (:func:`add_worker_extra`, e.g. the thinker's layer hooks).
+``WorkerCapture.take()`` (after ``engine.step()``) fetches them from rank 0
+(``collective_rpc(..., unique_reply_rank=0)``) and hands back each with the
+``SchedulerOutput`` object of its step in this process: the scheduler's
+``schedule`` is wrapped to tag each ``SchedulerOutput`` with a step number
+(an instance attribute, which survives the pickling to the workers), so the
+backend's step alignment works as in process. Rows of a layer boundary are
+the same on every TP rank (each layer ends in an all-reduce), so rank 0's
+are the full rows.
+
+On CPU, :func:`make_engine` splits the process's CPUs between the ranks
+(``VLLM_CPU_OMP_THREADS_BIND``, when unset and vLLM's NUMA-based default
+would refuse), and carries the torchvision import shim into the spawned
+workers (:func:`omni_common.torchvision_compat.install_in_spawned_children`).
+
 Private vLLM internals used (re-check on any vLLM upgrade)
 ----------------------------------------------------------
 - ``vllm.v1.worker.gpu_model_runner.GPUModelRunner`` (V1 runner; CPU's
@@ -53,6 +80,11 @@ Private vLLM internals used (re-check on any vLLM upgrade)
   ``num_prompt_tokens``, buffers ``query_start_loc``, ``discard_request_mask``,
   ``positions``; ``model.lm_head``.
 - ``LLMEngine.model_executor.driver_worker.worker.model_runner`` (in-process).
+- Multi-process executor: ``engine.engine_core.engine_core`` (the in-process
+  ``EngineCore``), its ``model_executor.collective_rpc(...,
+  unique_reply_rank=)`` and ``scheduler.schedule``; ``SchedulerOutput`` is a
+  plain dataclass pickled to the workers (an extra instance attribute
+  arrives); ``vllm.envs.disable_envs_cache`` / ``VLLM_CPU_OMP_THREADS_BIND``.
 - Worker-extension mechanics: ``parallel_config.worker_extension_cls`` mixes
   the class into ``CPUWorker`` as an extra base (so it cannot override worker
   methods; attach happens via ``collective_rpc``).
@@ -95,6 +127,11 @@ __all__ = [
     "hook_stats",
     "close_engine",
     "external_request_id",
+    "runs_in_process",
+    "runner_class_name",
+    "WorkerCapture",
+    "add_worker_extra",
+    "is_capturing_rank",
     "PINNED_VLLM_VERSION",
 ]
 
@@ -176,6 +213,7 @@ def external_request_id(internal_id: str) -> str:
     if len(internal_id) > 9 and internal_id[-9] == "-":
         return internal_id[:-9]
     return internal_id
+
 
 # Process-wide default callbacks (used by every attached runner that has no
 # per-runner callback). Guarded by a lock; read once per step.
@@ -306,6 +344,24 @@ class OmniStepHookExtension:
         state.callbacks = list(callbacks)
         return len(state.callbacks)
 
+    def omni_start_worker_capture(self, hidden: bool) -> bool:
+        """Capture in this worker process if it is TP rank 0 (True), else
+        detach every callback (False). See :class:`WorkerCapture`."""
+        state = _attach(self.model_runner)
+        _WORKER.steps.clear()
+        _WORKER.hidden = bool(hidden)
+        if not is_capturing_rank():
+            state.callbacks = []
+            return False
+        state.callbacks = [_capture_in_worker]
+        return True
+
+    def omni_take_worker_steps(self) -> list:
+        """The captures kept since the last call (rank 0; others: [])."""
+        steps = list(_WORKER.steps)
+        _WORKER.steps.clear()
+        return steps
+
     def omni_hook_stats(self) -> dict:
         state = getattr(self.model_runner, "_omni_hook_state", None)
         if state is None:
@@ -320,8 +376,151 @@ class OmniStepHookExtension:
 
 
 # ---------------------------------------------------------------------------
+# Capture in a worker process (multi-process executor: tensor parallelism)
+# ---------------------------------------------------------------------------
+
+STEP_TAG_ATTR = "_omni_step_tag"  # set on each SchedulerOutput by WorkerCapture
+
+
+class _WorkerState:
+    """Per worker process (one model runner each): what rank 0 keeps."""
+
+    def __init__(self) -> None:
+        self.steps: list[tuple[int | None, StepCapture, dict[str, Any]]] = []
+        self.extras: list[Callable[[StepCapture], dict[str, Any]]] = []
+        self.hidden = False
+
+
+_WORKER = _WorkerState()
+
+
+def is_capturing_rank() -> bool:
+    """In a worker process: whether this is the rank that captures (TP rank 0)."""
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank() == 0
+
+
+def add_worker_extra(provider: Callable[[StepCapture], dict[str, Any]]) -> None:
+    """In a worker process: add per-token tensors to each kept capture
+    (``provider(cap) -> {name: [num_tokens, ...]}``, called in the step,
+    right after sampling). Call it from a function run with
+    ``collective_rpc`` on rank 0."""
+    _WORKER.extras.append(provider)
+
+
+def _cpu_copy(t: Any) -> Any:
+    return t.detach().to("cpu", copy=True)
+
+
+def _capture_in_worker(cap: StepCapture) -> None:
+    """Step callback of TP rank 0's runner: keep a detached copy of the step
+    (module level: it is named, not pickled, when installed)."""
+    extra: dict[str, Any] = {}
+    for provider in _WORKER.extras:
+        extra.update({k: _cpu_copy(v) for k, v in provider(cap).items()})
+    num_tokens = cap.num_tokens
+    if _WORKER.hidden:
+        hidden = _cpu_copy(cap.hidden_states)
+        sample_hidden = _cpu_copy(cap.sample_hidden_states)
+    else:  # shapes kept (num_tokens), no data
+        hidden = cap.hidden_states.new_empty((num_tokens, 0), device="cpu")
+        sample_hidden = cap.sample_hidden_states.new_empty(
+            (cap.sample_hidden_states.shape[0], 0), device="cpu"
+        )
+    kept = replace(
+        cap,
+        req_ids=list(cap.req_ids),
+        sampled_token_ids=_cpu_copy(cap.sampled_token_ids),
+        discard_mask=_cpu_copy(cap.discard_mask),
+        query_start_loc=_cpu_copy(cap.query_start_loc),
+        num_scheduled_tokens=_cpu_copy(cap.num_scheduled_tokens),
+        num_computed_tokens=_cpu_copy(cap.num_computed_tokens),
+        num_prompt_tokens=_cpu_copy(cap.num_prompt_tokens),
+        positions=_cpu_copy(cap.positions),
+        hidden_states=hidden,
+        sample_hidden_states=sample_hidden,
+        logits=None,
+        output=None,
+        scheduler_output=None,
+    )
+    _WORKER.steps.append((getattr(cap.scheduler_output, STEP_TAG_ATTR, None), kept, extra))
+
+
+class WorkerCapture:
+    """Step captures of an engine whose runners live in worker processes.
+
+    Built on an engine from :func:`make_engine` (hook attached): captures on
+    TP rank 0 (module docstring). ``take()`` after each ``engine.step()``
+    returns ``[(scheduler_output, capture, extra)]`` in step order:
+    ``scheduler_output`` is this process's object of the step (what the
+    in-process hook's ``StepCapture.scheduler_output`` is), ``capture`` the
+    step as rank 0 saw it (``hidden_states`` has no columns unless
+    ``hidden``; ``logits`` None), ``extra`` the providers' rows.
+    """
+
+    def __init__(self, engine: LLMEngine, *, hidden: bool) -> None:
+        core = engine.engine_core.engine_core
+        self._executor = core.model_executor
+        self._scheduler = core.scheduler
+        self._by_tag: dict[int, Any] = {}
+        tags = iter(range(2**62))
+        by_tag = self._by_tag
+        orig = self._scheduler.schedule
+
+        def schedule(*args: Any, **kwargs: Any) -> Any:
+            out = orig(*args, **kwargs)
+            tag = next(tags)
+            setattr(out, STEP_TAG_ATTR, tag)
+            by_tag[tag] = out
+            return out
+
+        self._scheduler.schedule = schedule
+        first = self._executor.collective_rpc("omni_start_worker_capture", args=(bool(hidden),))
+        if list(first).count(True) != 1:  # pragma: no cover - vLLM's rank layout changed
+            raise RuntimeError(f"expected one capturing rank, got {first}")
+        self.capturing_rank = list(first).index(True)
+
+    def take(self) -> list[tuple[Any, StepCapture, dict[str, Any]]]:
+        steps = self._executor.collective_rpc(
+            "omni_take_worker_steps", unique_reply_rank=self.capturing_rank
+        )
+        out = []
+        for tag, cap, extra in steps:
+            if tag is None:  # pragma: no cover - a step scheduled before the wrapper
+                continue
+            # Older steps without a capture (nothing scheduled) will never have one.
+            for old in [t for t in self._by_tag if t < tag]:
+                del self._by_tag[old]
+            scheduler_output = self._by_tag.pop(tag, None)
+            if scheduler_output is None:  # pragma: no cover - already retired
+                continue
+            out.append((scheduler_output, cap, extra))
+        return out
+
+    def remove(self) -> None:
+        """Stop tagging (the engine is being closed: no worker call)."""
+        self._scheduler.__dict__.pop("schedule", None)
+        self._by_tag.clear()
+
+
+# ---------------------------------------------------------------------------
 # Driver-side API
 # ---------------------------------------------------------------------------
+
+
+def runs_in_process(engine: LLMEngine) -> bool:
+    """True when the engine's model runner is in this process (one worker,
+    in-process executor); False for a multi-process executor."""
+    executor = getattr(engine, "model_executor", None)
+    return executor is not None and hasattr(executor, "driver_worker")
+
+
+def runner_class_name(engine: LLMEngine) -> str:
+    """The model runner's class name, wherever the runner runs."""
+    if runs_in_process(engine):
+        return type(get_model_runner(engine)).__qualname__
+    return str(engine.collective_rpc("omni_attach_step_hook")[0])
 
 
 def get_model_runner(engine: LLMEngine) -> Any:
@@ -390,6 +589,79 @@ def _set_env_defaults() -> None:
     os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
     os.environ.setdefault("DO_NOT_TRACK", "1")
+
+
+def _cpu_threads_bind(world_size: int) -> str | None:
+    """VLLM_CPU_OMP_THREADS_BIND for ``world_size`` CPU ranks, or None to
+    keep vLLM's choice.
+
+    vLLM's default (``auto``) binds each rank to its own NUMA node and refuses
+    to start when there are fewer nodes than ranks (one-node hosts). Then the
+    process's CPUs (its affinity) are split into ``world_size`` contiguous
+    groups, e.g. ``0-7|8-15`` (``0|1`` on two cores); with fewer CPUs than
+    ranks: ``nobind``. A value set in the environment is kept as it is.
+    """
+    if world_size <= 1 or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
+        return None
+    from vllm.platforms import current_platform
+
+    if not current_platform.is_cpu():
+        return None
+    try:
+        from vllm.utils.cpu_resource_utils import get_visible_memory_node
+
+        if len(get_visible_memory_node()) >= world_size:
+            return None
+    except Exception:  # noqa: BLE001 -- no NUMA information: split the CPUs
+        log.debug("no NUMA information; splitting the CPUs between ranks", exc_info=True)
+    cpus = (
+        sorted(os.sched_getaffinity(0))
+        if hasattr(os, "sched_getaffinity")
+        else list(range(os.cpu_count() or 1))
+    )
+    if len(cpus) < world_size:
+        return "nobind"
+    per, extra = divmod(len(cpus), world_size)
+    groups, start = [], 0
+    for rank in range(world_size):
+        n = per + (1 if rank < extra else 0)
+        groups.append(_id_list(cpus[start : start + n]))
+        start += n
+    return "|".join(groups)
+
+
+def _id_list(ids: list[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5" (vLLM's CPU id list syntax)."""
+    runs: list[list[int]] = []
+    for i in ids:
+        if runs and i == runs[-1][1] + 1:
+            runs[-1][1] = i
+        else:
+            runs.append([i, i])
+    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
+
+
+def _prepare_worker_processes(world_size: int) -> dict[str, str | None]:
+    """Before an engine with worker processes is built: the import shim in
+    spawned children, the CPU thread binding, and vLLM's environment cache
+    dropped (an earlier engine froze it). Returns the variables to restore."""
+    import vllm.envs as envs
+
+    import omni_common.torchvision_compat as tvc
+
+    tvc.install_in_spawned_children()
+    restore: dict[str, str | None] = {}
+    bind = _cpu_threads_bind(world_size)
+    if bind is not None:
+        log.info(
+            "VLLM_CPU_OMP_THREADS_BIND=%r for %d CPU ranks (unset; vLLM's NUMA binding needs a node per rank)",
+            bind,
+            world_size,
+        )
+        restore["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
+    envs.disable_envs_cache()
+    return restore
 
 
 def _register_cpu_kernel_overrides_once() -> None:
@@ -545,16 +817,23 @@ def make_engine(
     engine_args = EngineArgs(**kwargs)
     vllm_config = engine_args.create_engine_config()
     if async_scheduling and not vllm_config.scheduler_config.async_scheduling:
-        log.warning(
-            "vllm CPU platform disabled async_scheduling; re-enabling it on the config"
-        )
+        log.warning("vllm CPU platform disabled async_scheduling; re-enabling it on the config")
         vllm_config.scheduler_config.async_scheduling = True
-    engine = LLMEngine(
-        vllm_config=vllm_config,
-        executor_class=Executor.get_class(vllm_config),
-        log_stats=not disable_log_stats,
-        multiprocess_mode=False,
-    )
+    world_size = int(vllm_config.parallel_config.world_size)
+    restore = _prepare_worker_processes(world_size) if world_size > 1 else {}
+    try:
+        engine = LLMEngine(
+            vllm_config=vllm_config,
+            executor_class=Executor.get_class(vllm_config),
+            log_stats=not disable_log_stats,
+            multiprocess_mode=False,
+        )
+    finally:
+        for key, value in restore.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
     if attach_hook and runner == "generate":
         engine.collective_rpc("omni_attach_step_hook")
     return engine
