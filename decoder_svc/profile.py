@@ -135,8 +135,10 @@ def parallel_refusal(
       worker); refused for the others, whose backends need the model runner
       in the decoder process (``reason``, default by role);
     - ``pipeline_parallel_size > 1``: refused for every role;
-    - an explicit ``distributed_executor_backend``: refused (vLLM picks the
-      executor; ``mp`` would run even one worker in its own process).
+    - an explicit ``distributed_executor_backend``: ``mp`` is accepted with
+      ``tensor_parallel_size > 1`` for those roles (vLLM's choice there
+      anyway); otherwise refused (``mp`` would run even one worker in its own
+      process; ``ray`` is not installed with the project and untested).
     """
     if int(pipeline_parallel_size) != 1:
         return InvalidArgumentError(
@@ -152,12 +154,18 @@ def parallel_refusal(
             f"stage {stage}: tensor_parallel_size={tensor_parallel_size}: vLLM would run the model "
             f"runner in worker processes, but {why}; run it with 1",
         )
+    if distributed_executor_backend == "mp" and tensor_parallel and int(tensor_parallel_size) > 1:
+        return None  # what vLLM picks on one node anyway, and what the capture is tested on
     if distributed_executor_backend:
-        detail = (
-            EXECUTOR_CHOSEN_BY_VLLM
-            if tensor_parallel
-            else f"vLLM would run the model runner in a worker process, but {why}"
-        )
+        if not tensor_parallel:
+            detail = f"vLLM would run the model runner in a worker process, but {why}"
+        elif distributed_executor_backend == "ray":
+            detail = (
+                f"{EXECUTOR_CHOSEN_BY_VLLM}; Ray (several nodes) is not installed with the "
+                "project and the rank-0 capture has not been run on it"
+            )
+        else:
+            detail = EXECUTOR_CHOSEN_BY_VLLM
         return InvalidArgumentError(
             f"{key_prefix}distributed_executor_backend",
             f"stage {stage}: distributed_executor_backend={distributed_executor_backend!r}: "

@@ -164,17 +164,30 @@ def test_an_explicit_executor_backend_is_refused_even_with_one_worker(tmp_path, 
     assert msg.endswith("leave it unset")
 
 
-def test_an_explicit_executor_backend_is_refused_for_the_thinker(tmp_path):
+def test_mp_is_accepted_for_a_tensor_parallel_thinker(tmp_path):
     path = _write(
         tmp_path, "omni", "thinker", tensor_parallel_size=2, distributed_executor_backend="mp"
+    )
+    stage = load_profile(str(path)).stages[0]
+    assert stage.engine_args()["distributed_executor_backend"] == "mp"
+
+
+@pytest.mark.parametrize(
+    ("tp", "backend", "needle"),
+    [(1, "mp", EXECUTOR_CHOSEN_BY_VLLM), (2, "ray", "Ray (several nodes) is not installed")],
+)
+def test_other_executor_backends_are_refused_for_the_thinker(tmp_path, tp, backend, needle):
+    path = _write(
+        tmp_path, "omni", "thinker", tensor_parallel_size=tp, distributed_executor_backend=backend
     )
     with pytest.raises(InvalidArgumentError) as exc:
         load_profile(str(path))
     msg = str(exc.value)
     assert msg.startswith(
-        "stages[0].distributed_executor_backend: stage thinker: distributed_executor_backend='mp':"
+        "stages[0].distributed_executor_backend: stage thinker: "
+        f"distributed_executor_backend={backend!r}:"
     )
-    assert EXECUTOR_CHOSEN_BY_VLLM in msg and msg.endswith("leave it unset")
+    assert needle in msg and msg.endswith("leave it unset")
 
 
 def test_parallel_refusal_by_role():
