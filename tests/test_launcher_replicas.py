@@ -242,7 +242,7 @@ def test_rolling_restart_under_load_loses_no_request(tmp_path, capsys):
         before = _materializer_pids(up)
         assert len(before) == 2
         runtime = endpoints["runtime dir"]
-        with Load(endpoints["gateway gRPC"], clients=3, words=20) as load:
+        with Load(endpoints["gateway gRPC"], clients=32, words=20) as load:
             load.wait_for(3)
             # The command finds the stack by its runtime dir and sends SIGHUP.
             rc = run_restart_materializer(runtime_dir=runtime, timeout_s=240)
