@@ -1390,7 +1390,16 @@ class Stack:
         """The replacement failed: the old one keeps serving."""
         self._handover = None
         if _socket_identity(h.svc.uds_path or "") != h.old_socket:
-            why += f"; {h.svc.target} no longer names the old one (the decoder falls back)"
+            # The path names the dead replacement: nothing new can reach the old
+            # one. Stop it (it drains); supervision then starts a fresh one on the path.
+            h.old.send_signal(signal.SIGTERM)
+            self._roll_log(
+                f"{h.svc.name}: {why}; {h.svc.target} no longer names old pid {h.old.pid}: "
+                "SIGTERM to it, supervision starts a fresh one (the decoder builds in-process "
+                "meanwhile)"
+            )
+            self._finish_roll("failed")
+            return
         self._roll_log(f"{h.svc.name}: {why}; old pid {h.old.pid} keeps serving")
         self._finish_roll("failed")
 
