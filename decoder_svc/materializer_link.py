@@ -680,6 +680,7 @@ class MaterializerLink:
             with self._lock:
                 if self._closing.is_set() or self._handover is not handover:
                     call.cancel()  # closing, or the handover ended meanwhile (failover)
+                    outbox.put(_STOP)  # ends the request iterator gRPC's thread waits on
                     return False
                 self._stream = stream
                 self._handover = None
@@ -779,7 +780,8 @@ class MaterializerLink:
             current = self._stream is stream
             if current:
                 old = stream.attachment.instance_id if stream.attachment else ""
-                target = msg.successor or self.target or ""
+                # empty successor: the same target as this stream's (a successor's, after one)
+                target = msg.successor or self._dial_target or self.target or ""
                 self._stream = None
                 self._old.append(stream)
                 self._handover = _Handover(time.monotonic(), old, target, msg.reason)

@@ -480,6 +480,7 @@ class ServiceProcess:
     proc: subprocess.Popen | None = None
     # Supervision (Stack.poll): starting | running | backoff | failed | stopped
     state: str = "stopped"
+    stop_expected: bool = False  # the launcher stopped it: its exit is not a crash
     failures: int = 0  # exits in a row, without staying up for restart_reset in between
     restarts: int = 0
     started_at: float = 0.0  # time.monotonic() of the current process's start
@@ -933,6 +934,7 @@ class _Handover:
     deadline: float  # of the current phase
     old_socket: tuple[int, int] | None  # (st_dev, st_ino) of the path before the replacement
     metrics_url: str
+    argv: list[str]  # the replacement's command line without --take-over (its metrics port)
     phase: str = "starting"
     sigterm_at: float = 0.0
     killed: bool = False
@@ -1032,7 +1034,7 @@ class Stack:
         self.swept: list[str] = []  # stale segments and runtime directories removed at start
         self._stopped = False
         # Rolling restarts (request_rolling_restart): at most one runs, one more may wait.
-        self._roll_requested = threading.Event()
+        self._roll_requested = False
         self._roll: dict[str, Any] | None = None  # the run in progress (its status record)
         self._roll_queue: list[ServiceProcess] = []
         self._handover: _Handover | None = None
@@ -1211,7 +1213,7 @@ class Stack:
         """Ask for a rolling restart of every materializer (safe from a signal
         handler and other threads); supervise()/poll() carry it out. Asked
         while one runs, one more follows it."""
-        self._roll_requested.set()
+        self._roll_requested = True  # a plain store: no lock in a signal handler
 
     @property
     def rolling_restart_running(self) -> bool:
@@ -1223,7 +1225,7 @@ class Stack:
         thread that drives the stack."""
         self.request_rolling_restart()
         deadline = time.monotonic() + timeout_s
-        while self._roll_requested.is_set() or self._roll is not None:
+        while self._roll_requested or self._roll is not None:
             if time.monotonic() > deadline:
                 raise StackError(f"rolling restart not done after {timeout_s:g}s")
             problem = self.poll()
@@ -1251,8 +1253,8 @@ class Stack:
             os.replace(tmp, path)
 
     def _advance_rolling_restart(self) -> None:
-        if self._roll is None and self._roll_requested.is_set():
-            self._roll_requested.clear()
+        if self._roll is None and self._roll_requested:
+            self._roll_requested = False
             self._roll_count += 1
             self._roll = {
                 "id": self._roll_count,
@@ -1309,7 +1311,7 @@ class Stack:
             self._finish_roll("failed")
             return
         self._handover = _Handover(
-            svc, old, new, now, now + self.cfg.startup_timeout, old_socket, metrics_url
+            svc, old, new, now, now + self.cfg.startup_timeout, old_socket, metrics_url, argv
         )
         moved = "" if metrics_url == svc.metrics_url else f", metrics at {metrics_url}"
         self._roll_log(
@@ -1327,9 +1329,12 @@ class Stack:
                 return
             if h.old.poll() is not None:  # the old one died meanwhile: adopt the replacement
                 svc.dead_groups[h.old.pid] = time.time()
+                for p in _members({h.old.pid: svc.dead_groups[h.old.pid]}):
+                    with contextlib.suppress(psutil.Error):
+                        p.terminate()
                 svc.proc, svc.state = h.new, "starting"
                 svc.started_at, svc.start_deadline = h.started, h.deadline
-                svc.metrics_url = h.metrics_url
+                svc.metrics_url, svc.argv = h.metrics_url, h.argv
                 self._handover = None
                 self._roll_log(
                     f"{svc.name}: old pid {h.old.pid} {describe_exit(h.old.returncode)} "
@@ -1342,7 +1347,7 @@ class Stack:
                 healthy = time.monotonic()
                 svc.proc, svc.state = h.new, "running"
                 svc.started_at, svc.healthy_at = h.started, healthy
-                svc.metrics_url = h.metrics_url
+                svc.metrics_url, svc.argv = h.metrics_url, h.argv
                 h.old.send_signal(signal.SIGTERM)
                 h.phase, h.sigterm_at = "draining", time.monotonic()
                 h.deadline = h.sigterm_at + self.cfg.drain_timeout
@@ -1393,6 +1398,7 @@ class Stack:
             # The path names the dead replacement: nothing new can reach the old
             # one. Stop it (it drains); supervision then starts a fresh one on the path.
             h.old.send_signal(signal.SIGTERM)
+            h.svc.stop_expected = True
             self._roll_log(
                 f"{h.svc.name}: {why}; {h.svc.target} no longer names old pid {h.old.pid}: "
                 "SIGTERM to it, supervision starts a fresh one (the decoder builds in-process "
@@ -1424,6 +1430,12 @@ class Stack:
             if code is None:
                 if svc.failures and now - svc.healthy_at >= self.cfg.restart_reset:
                     svc.failures = 0  # it has stayed up: its next crash starts a new count
+                return None
+            if svc.stop_expected:  # stopped by the launcher itself: start a fresh one now
+                svc.stop_expected = False
+                svc.dead_groups[svc.proc.pid] = time.time()
+                svc.state, svc.next_start = "backoff", now
+                self._log(f"{svc.name} (pid {svc.proc.pid}) stopped as asked; starting a fresh one")
                 return None
             return self._crashed(svc, describe_exit(code), now)
         # starting (a restart): healthy yet?
