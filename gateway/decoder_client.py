@@ -21,7 +21,7 @@ import asyncio
 import logging
 import re
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -39,7 +39,7 @@ from omni_common.errors import (
     sanitize_message,
 )
 from omni_common.server import client_options, client_target, fast_reconnect_options
-from omni_serving.v1 import decoder_pb2, decoder_pb2_grpc
+from omni_serving.v1 import common_pb2, decoder_pb2, decoder_pb2_grpc, payload_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -115,9 +115,17 @@ class DecoderInfo:
     profile: str = ""
     fallback_steps: int = 0
     finished_requests: int = 0
+    output_modalities: tuple[str, ...] = ()
+    """What the deployment can produce, lower-case names ("text", "audio", ...);
+    empty when the decoder does not say (an older decoder)."""
+    limits: common_pb2.DeploymentLimits = field(default_factory=common_pb2.DeploymentLimits)
+    supports_instructions: bool = False
+    model: str = ""
 
     @classmethod
     def from_pb(cls, pb: decoder_pb2.GetDecoderInfoResponse) -> DecoderInfo:
+        limits = common_pb2.DeploymentLimits()
+        limits.CopyFrom(pb.limits)
         return cls(
             voices=tuple(pb.voices),
             sample_rate_hz=pb.sample_rate_hz or DEFAULT_SAMPLE_RATE_HZ,
@@ -125,6 +133,14 @@ class DecoderInfo:
             profile=pb.profile,
             fallback_steps=pb.fallback_steps,
             finished_requests=pb.finished_requests,
+            output_modalities=tuple(
+                payload_pb2.OutputModality.Name(m).removeprefix("OUTPUT_MODALITY_").lower()
+                for m in pb.output_modalities
+                if m != payload_pb2.OUTPUT_MODALITY_UNSPECIFIED
+            ),
+            limits=limits,
+            supports_instructions=pb.supports_instructions,
+            model=pb.model,
         )
 
 
