@@ -107,8 +107,11 @@ def stage_profile(payload: str):
 class FrameCounter:
     """Stands in for code2wav in this suite: counts frames, completes requests."""
 
-    def __init__(self, emit: Callable[[str, np.ndarray, bool, str], None]) -> None:
+    def __init__(
+        self, emit: Callable[[str, np.ndarray, bool, str], None], num_codebooks: int, codebook_size: int
+    ) -> None:
         self.emit = emit
+        self.num_codebooks, self.codebook_size = num_codebooks, codebook_size  # read by the runaway guard
         self.chunks = 0
         self.frames_seen = 0
         self._q: queue.SimpleQueue = queue.SimpleQueue()
@@ -143,6 +146,8 @@ class Done:
 
     def sink_for(self, rid: str):
         def sink(resp) -> None:  # noqa: ANN001
+            if isinstance(resp, Exception):
+                raise resp  # the pipeline logs it; the batch then never finishes, which run_one reports
             if resp.finished:
                 with self.cond:
                     self.finished.add(rid)
@@ -236,7 +241,8 @@ def run_one(
     want_async = mode in ("thread", "remote-shm", "remote-inline")
     if pipeline.decision.use_async != want_async:
         raise RuntimeError(f"{mode}: guards chose {'async' if pipeline.decision.use_async else 'sync'} ({pipeline.decision.reason})")
-    pipeline.code2wav = FrameCounter(pipeline.code2wav.emit)
+    real = pipeline.code2wav
+    pipeline.code2wav = FrameCounter(real.emit, real.num_codebooks, real.codebook_size)
     backend.reset()
     # chunked prefill staggers the batch by a few steps at both ends: margin
     max_tokens = warmup + steps + 16

@@ -19,6 +19,8 @@ from omni_common.modality import OutputModality
 class RequestSpec:
     request_id: str
     prompt: str
+    # Tokens the stage may generate (0 = its default). The pipeline resolves
+    # it per AR stage from the request's max_tokens and max_audio_seconds.
     max_tokens: int = 0
     temperature: float = 0.0
     top_p: float = 1.0
@@ -27,6 +29,11 @@ class RequestSpec:
     voice: str = "default"
     task: str = "generate"  # "generate" | "embed"
     modality: OutputModality = OutputModality.AUDIO
+    # Cap on the request's audio in seconds (0 = the deployment's default).
+    max_audio_seconds: float = 0.0
+    # Style instructions for the model's prompt (a system turn); only where
+    # the deployment takes them (DeploymentSettings.supports_instructions).
+    instructions: str = ""
     # Conditioning from an upstream stage (e.g. the thinker's hidden states).
     conditioning: dict[str, torch.Tensor] = field(default_factory=dict)
     # The first stage's prompt as token ids (a rendered chat prompt), and the

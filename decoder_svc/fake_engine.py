@@ -17,6 +17,19 @@ Every number is an integer hash of (seed, position, index), computed with
 batched int64 tensor ops, so a request's outputs never depend on which other
 requests share its batch or on timing: the same seed gives the same codes on
 the synchronous and the asynchronous paths.
+
+Lengths: a talker request's natural length is ``4 + 2 * len(prompt bytes)``
+frames, ending with "stop"; its ``max_tokens`` (the pipeline's cap, from
+max_tokens / max_audio_seconds) cuts it with "length". A thinker writes
+``8 + len(prompt bytes) // 2`` tokens. The fake engine's context is
+``FakeBackend.max_model_len`` (8192) tokens, its sampling defaults
+``FakeBackend.sampling_defaults`` (its outputs do not depend on them).
+
+Test only: a prompt containing ``FAKE_LOOP_MARKER`` makes the talker run
+away like a model that never emits its end token: after 8 frames it repeats a
+3-frame cycle of codes for ever (until its cap, or the pipeline's runaway
+guard ends it). A thinker puts a request's instructions in its prompt
+(``instructions + "\n" + prompt``, byte tokens), as a system turn would.
 """
 
 from __future__ import annotations
@@ -36,6 +49,10 @@ PER_TOKEN = snapshot_pb2.TENSOR_LAYOUT_PER_TOKEN
 _M1 = 0x5851F42D4C957F2D  # odd multipliers that fit int64 (wrapping arithmetic)
 _M2 = 0x14057B7EF767814F
 _MASK62 = (1 << 62) - 1
+FAKE_LOOP_MARKER = "<|fake-loop|>"
+"""Test only: a prompt with this text makes the fake talker loop (see the module docstring)."""
+_LOOP_HEAD, _LOOP_PERIOD = 8, 3
+_ENDLESS = 1 << 40
 
 
 def mix(x: torch.Tensor) -> torch.Tensor:
@@ -54,6 +71,8 @@ class _Req:
     target_frames: int
     position: int = 0  # frames emitted so far
     prefilled: bool = False
+    natural: int = 0  # where it would stop by itself ("stop"); beyond target_frames: "length"
+    loops: bool = False
 
 
 def tokenize(text: str) -> list[int]:
@@ -66,10 +85,22 @@ def frames_for(prompt_ids: list[int], max_tokens: int) -> int:
     return min(n, max_tokens) if max_tokens > 0 else n
 
 
+def prompt_ids_for(spec: RequestSpec) -> list[int]:
+    """The fake thinker's prompt: the instructions (a system turn's place), then the text."""
+    if spec.instructions:
+        return tokenize(spec.instructions + "\n" + spec.prompt)
+    return tokenize(spec.prompt)
+
+
 class FakeBackend:
     """Deterministic stand-in for the vLLM talker (and a benchmark engine)."""
 
     name = "fake"
+    model_name = "fake"
+    max_model_len = 8192
+    """Nominal context, in tokens (the deployment's caps are computed from it)."""
+    sampling_defaults = (0.9, 1.0, 50)
+    """(temperature, top_p, top_k) reported as the model's defaults."""
 
     def __init__(
         self,
@@ -99,14 +130,21 @@ class FakeBackend:
     # -- request management (any thread) ---------------------------------------
     def add_request(self, spec: RequestSpec) -> None:
         cond = spec.conditioning.get("thinker_token_ids")
-        ids = [int(x) for x in cond.reshape(-1).tolist()] if cond is not None else tokenize(spec.prompt)
+        loops = False
+        if cond is not None:
+            ids = [int(x) for x in cond.reshape(-1).tolist()]
+        elif self.role == "thinker":
+            ids = prompt_ids_for(spec)
+        else:
+            ids = tokenize(spec.prompt)
         if self.role == "thinker":
             n = 8 + len(ids) // 2
-            target = min(n, spec.max_tokens) if spec.max_tokens > 0 else n
         else:
-            target = frames_for(ids, spec.max_tokens)
+            loops = FAKE_LOOP_MARKER in spec.prompt
+            n = _ENDLESS if loops else frames_for(ids, 0)
+        target = min(n, spec.max_tokens) if spec.max_tokens > 0 else n
         with self._lock:
-            self._waiting.append(_Req(spec, ids, target))
+            self._waiting.append(_Req(spec, ids, target, natural=n, loops=loops))
 
     def abort(self, request_id: str) -> bool:
         with self._lock:
@@ -161,7 +199,12 @@ class FakeBackend:
         text_deltas: dict[str, str] = {}
         new_token_ids: dict[str, list[int]] = {}
         if self.role == "talker":
-            codes = self._hash(seeds, frame_pos, 99, self.num_codebooks) % self.codec_vocab
+            code_pos = frame_pos
+            if any(r.loops for r in batch):  # test only: a runaway request repeats a short cycle
+                loops = torch.tensor([r.loops for r in batch], dtype=torch.bool)
+                cycle = _LOOP_HEAD + (frame_pos - _LOOP_HEAD) % _LOOP_PERIOD
+                code_pos = torch.where(loops & (frame_pos >= _LOOP_HEAD), cycle, frame_pos)
+            codes = self._hash(seeds, code_pos, 99, self.num_codebooks) % self.codec_vocab
             sampled = codes[:, :1].clone()
             mm_outputs["codec_codes"] = (codes, PER_REQUEST)
         else:
@@ -181,7 +224,7 @@ class FakeBackend:
                 r.prefilled = True
                 r.position += 1
                 if r.position >= r.target_frames:
-                    finished[r.spec.request_id] = "length" if r.target_frames == r.spec.max_tokens else "stop"
+                    finished[r.spec.request_id] = "stop" if r.position >= r.natural else "length"
                     if r in self._running:
                         self._running.remove(r)
         return StepOutput(
@@ -292,6 +335,7 @@ class FakeVocoderFactory:
     ``num_codebooks``, ``codebook_size``."""
 
     sample_rate = SAMPLE_RATE_HZ
+    frames_per_second = SAMPLE_RATE_HZ / SAMPLES_PER_FRAME
     voices = VOICES
 
     def __init__(self, num_codebooks: int = 16, codec_vocab: int = 2048, left_context: int = 25) -> None:

@@ -77,3 +77,7 @@ def attachment_labels(attachment) -> tuple[str, str, str, str, str]:
 def set_mode(remote: bool) -> None:
     MATERIALIZER_MODE.labels("remote").set(1 if remote else 0)
     MATERIALIZER_MODE.labels("in_process").set(0 if remote else 1)
+REPETITION_STOPS = Counter(
+    "omni_decoder_repetition_stops_total",
+    "Requests the runaway guard ended (their codec stream kept repeating one short cycle)",
+)

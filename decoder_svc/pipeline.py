@@ -33,6 +33,17 @@ from decoder_svc.backend import ARBackend, RequestSpec, StepOutput
 from decoder_svc.code2wav import ChunkState
 from decoder_svc.cuda_staging import CudaStaging
 from decoder_svc.guards import GuardDecision, evaluate, log_decision
+from decoder_svc.lengths import (
+    LENGTH,
+    REPETITION,
+    STOP,
+    DeploymentSettings,
+    Options,
+    RepetitionGuard,
+    check_request,
+    deployment_modalities,
+    facts_of,
+)
 from decoder_svc.materializer_link import MaterializerLink
 from decoder_svc.profile import Profile, StageConfig
 from decoder_svc.snapshot import SnapshotMeta, meta_of, step_tensors, take_snapshot
@@ -64,6 +75,14 @@ class RequestContext:
     done: bool = False
     # inter-stage payload pieces collected for the next AR stage, by key
     handoff: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    # the audio stage's token cap (codec frames), from max_audio_seconds
+    audio_frames: int = 0
+    # how an earlier AR stage (the thinker) ended: "length" when its text was cut
+    upstream_reason: str = ""
+    # set when the pipeline ends the request itself (the runaway guard): later
+    # steps of it are dropped while code2wav flushes what it has
+    ending: str = ""
+    guard: RepetitionGuard | None = None
 
     sample_rate: int = 24_000
 
@@ -367,6 +386,8 @@ class Pipeline:
         acquire_timeout_s: float = 0.5,
         vocoder=None,
         prepare: Callable[[RequestSpec], RequestSpec] | None = None,
+        settings: DeploymentSettings | None = None,
+        options: Options | None = None,
     ) -> None:
         """vocoder: the generation stage's streaming vocoder (``new_stream``,
         ``voices``, ``sample_rate``, ``num_codebooks``, ``codebook_size``);
@@ -375,7 +396,10 @@ class Pipeline:
         InvalidArgumentError. stall_timeout_s: the materializer is dropped
         (and retried in the background) when it leaves steps unanswered this
         long, or keeps decode steps waiting for slots more than half of it.
-        acquire_timeout_s: the longest a decode step waits for an arena slot."""
+        acquire_timeout_s: the longest a decode step waits for an arena slot.
+        settings: caps, defaults and capabilities (decoder_svc.lengths);
+        default: from the engine's facts and `options` (the decoder's
+        length and guard options; None = their defaults)."""
         self.profile = profile
         self.backends = backends
         self.arena = arena
@@ -451,6 +475,17 @@ class Pipeline:
         self.voices: tuple[str, ...] = tuple(vocoder.voices)
         self.sample_rate = int(vocoder.sample_rate)
         self._prepare = prepare
+        self._roles = [s.engine_role or s.name for s in self.ar_configs]
+        if settings is None:
+            produced, instructions = deployment_modalities(self._roles)
+            settings = DeploymentSettings.build(
+                profile=profile.name,
+                output_modalities=produced,
+                supports_instructions=instructions,
+                facts=facts_of([backends[s.name] for s in self.ar_configs], vocoder),
+                options=options,
+            )
+        self.settings = settings
         self.code2wav = Code2WavWorker(
             self.gen_config, self._emit_audio, vocoder=vocoder, on_error=self._fail_audio, live=self._live
         )
@@ -504,12 +539,25 @@ class Pipeline:
     def submit(self, spec: RequestSpec, sink: Sink) -> None:
         if spec.voice not in self.voices:
             raise InvalidArgumentError("voice", f"unknown voice {spec.voice!r}; voices: {', '.join(self.voices)}")
+        settings = self.settings
+        check_request(spec, settings)
         if self._prepare is not None:
             spec = self._prepare(spec)
+        # each AR stage's token cap: the text stage's from max_tokens, the
+        # audio stage's from max_audio_seconds (and max_tokens, when it is first)
+        frames = settings.audio_frames(spec.max_audio_seconds)
+        if self._roles[0] == "thinker":
+            first_max = spec.max_tokens or settings.default_text_tokens
+        else:
+            first_max = min(spec.max_tokens, frames) if spec.max_tokens else frames
+        spec = dataclasses.replace(spec, max_tokens=first_max)
+        ctx = RequestContext(spec, sink, sample_rate=self.sample_rate, audio_frames=frames)
+        if spec.modality.has_multimodal:
+            ctx.guard = settings.new_guard()
         with self._lock:
             if spec.request_id in self._requests:
                 raise AlreadyExistsError(f"request_id: {spec.request_id!r} is already running")
-            self._requests[spec.request_id] = RequestContext(spec, sink, sample_rate=self.sample_rate)
+            self._requests[spec.request_id] = ctx
             if not spec.modality.has_multimodal:
                 self._text_only = self._text_only | {spec.request_id}
         first = self.ar_configs[0]
@@ -618,8 +666,8 @@ class Pipeline:
         next_ar = self._next_ar.get(step.stage_id)
         for req in step.requests:
             ctx = self._context(req.request_id)
-            if ctx is None or ctx.done:
-                continue  # aborted meanwhile
+            if ctx is None or ctx.done or ctx.ending:
+                continue  # aborted meanwhile, or ended by the pipeline
             ctx.steps += 1
             rid = req.request_id
             # 1) + 2)
@@ -636,19 +684,50 @@ class Pipeline:
             if req.inter_stage.tensors:
                 tensors = payload_tensors(req.inter_stage)
                 if next_ar is None:
-                    self.code2wav.frames(rid, ctx.spec.voice, tensors["codec_codes"].numpy())
+                    codes = tensors["codec_codes"].numpy()
+                    self.code2wav.frames(rid, ctx.spec.voice, codes)
+                    if ctx.guard is not None and self._loops(ctx.guard, codes):
+                        self._end_looping(ctx, step.stage_id)
+                        continue
                 else:
                     for key, t in tensors.items():
                         ctx.handoff.setdefault(key, []).append(t.clone())
             # 4)
             if req.finished:
-                reason = meta.finished.get(rid, "stop")
+                reason = meta.finished.get(rid, STOP)
+                if reason == STOP and ctx.upstream_reason == LENGTH:
+                    reason = LENGTH  # the text the audio speaks was cut at its cap
                 if not ctx.spec.modality.has_multimodal:
                     self._complete(ctx, decoder_pb2.GenerateResponse(request_id=rid, stage_id=step.stage_id, finished=True, finish_reason=reason))
                 elif next_ar is None:
                     self.code2wav.finish(rid, ctx.spec.voice, reason)
                 else:
+                    ctx.upstream_reason = reason
                     self._hand_to(next_ar, ctx)
+
+    def _loops(self, guard: RepetitionGuard, codes: np.ndarray) -> bool:
+        """Feed a request's new frames (codebook 0; end-of-speech rows left
+        out) to its runaway guard; True when the stream is looping."""
+        code0 = codes.reshape(-1, self.code2wav.num_codebooks)[:, 0]
+        return guard.push(code0[code0 < self.code2wav.codebook_size].tolist())
+
+    def _end_looping(self, ctx: RequestContext, stage_id: int) -> None:
+        """The runaway guard tripped: stop the request's AR stage, speak the
+        frames it has, end it with finish reason "repetition"."""
+        rid = ctx.spec.request_id
+        ctx.ending = REPETITION
+        guard = ctx.guard
+        logger.info("request %s: the codec stream repeats a %d-frame cycle over the last %d frames "
+                    "(%d frames in); ending it", rid, guard.period if guard else 0,
+                    guard.window if guard else 0, guard.frames if guard else 0)
+        metrics.REPETITION_STOPS.inc()
+        for s in self.ar_configs:
+            if s.stage_id == stage_id:
+                try:
+                    self.backends[s.name].abort(rid)
+                except Exception:  # noqa: BLE001 -- the request ends either way
+                    logger.exception("stage %s: stopping request %s failed", s.name, rid)
+        self.code2wav.finish(rid, ctx.spec.voice, REPETITION)
 
     def _hand_to(self, stage: StageConfig, ctx: RequestContext) -> None:
         """Start a request on the next AR stage, conditioned on what the
@@ -659,7 +738,7 @@ class Pipeline:
         rid = ctx.spec.request_id
         cond = {key: torch.cat(parts) for key, parts in ctx.handoff.items()}
         ctx.handoff.clear()
-        spec = dataclasses.replace(ctx.spec, conditioning=cond, max_tokens=0)
+        spec = dataclasses.replace(ctx.spec, conditioning=cond, max_tokens=ctx.audio_frames)
         backend = self.backends[stage.name]
         try:
             backend.add_request(spec)

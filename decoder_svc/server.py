@@ -10,9 +10,11 @@ from pathlib import Path
 
 import grpc
 
+from decoder_svc import lengths
 from decoder_svc.pipeline import Pipeline
 from decoder_svc.profile import available_profiles, load_profile
 from decoder_svc.servicer import DecoderServicer
+from omni_common.errors import InvalidArgumentError
 from omni_common.logging_setup import setup_logging
 from omni_common.metrics import start_metrics_server
 from omni_common.server import ServerConfig, run_server
@@ -53,10 +55,49 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--in-process-builder", action="store_true",
                    help="without --materializer: build payloads on a background thread (the in-process baseline)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="max requests per decode step")
+    p.add_argument("--default-audio-seconds", type=float,
+                   default=_env_float("OMNI_DEFAULT_AUDIO_SECONDS"),
+                   help=f"audio cap of a request that sets no max_audio_seconds "
+                        f"(default {lengths.DEFAULT_AUDIO_SECONDS:g}, at most --max-audio-seconds)")
+    p.add_argument("--max-audio-seconds", type=float, default=_env_float("OMNI_MAX_AUDIO_SECONDS"),
+                   help="largest max_audio_seconds a request may ask for (default: what the talker's "
+                        f"context holds, at most {lengths.MAX_AUDIO_SECONDS_CEILING:g}; never beyond the context)")
+    p.add_argument("--default-text-tokens", type=int, default=_env_int("OMNI_DEFAULT_TEXT_TOKENS"),
+                   help=f"text tokens of a request that sets no max_tokens (profiles with a thinker; "
+                        f"default {lengths.DEFAULT_TEXT_TOKENS}, within the thinker's context)")
+    p.add_argument("--repetition-window-s", type=float,
+                   default=_env_float("OMNI_REPETITION_WINDOW_S", lengths.DEFAULT_REPETITION_WINDOW_S),
+                   help="runaway guard: end a request whose last this-many seconds of codec frames are one "
+                        "short cycle repeated (finish reason 'repetition'); 0 = off "
+                        f"(default {lengths.DEFAULT_REPETITION_WINDOW_S:g})")
+    p.add_argument("--repetition-max-period", type=int,
+                   default=_env_int("OMNI_REPETITION_MAX_PERIOD", lengths.DEFAULT_REPETITION_MAX_PERIOD),
+                   help="runaway guard: the longest cycle, in codec frames, that counts as a loop "
+                        f"(default {lengths.DEFAULT_REPETITION_MAX_PERIOD})")
     p.add_argument("--metrics-port", type=int, default=int(os.environ.get("OMNI_DECODER_METRICS_PORT", "-1")),
                    help="serve Prometheus /metrics on this port (0 = any free port, -1 = off)")
     p.add_argument("--metrics-host", default=os.environ.get("OMNI_METRICS_HOST", "127.0.0.1"))
     p.add_argument("--log-level", default=os.environ.get("OMNI_LOG_LEVEL", "INFO"))
+
+
+def _env_float(name: str, default: float | None = None) -> float | None:
+    raw = os.environ.get(name, "")
+    return float(raw) if raw else default
+
+
+def _env_int(name: str, default: int | None = None) -> int | None:
+    raw = os.environ.get(name, "")
+    return int(raw) if raw else default
+
+
+def length_options(args: argparse.Namespace) -> lengths.Options:
+    return lengths.Options(
+        default_audio_seconds=args.default_audio_seconds,
+        max_audio_seconds=args.max_audio_seconds,
+        default_text_tokens=args.default_text_tokens,
+        repetition_window_s=args.repetition_window_s,
+        repetition_max_period=args.repetition_max_period,
+    )
 
 
 def build_engine(args: argparse.Namespace, profile) -> tuple[dict, dict]:
@@ -97,16 +138,22 @@ def main(argv: list[str] | None = None) -> None:
     arena = ShmArena(prefix, args.arena_slots, args.arena_slot_bytes)
     try:
         backends, engine_parts = build_engine(args, profile)
-        pipeline = Pipeline(
-            profile,
-            backends,
-            **engine_parts,
-            materializer_target=args.materializer or None,
-            shm_prefix=prefix,
-            arena=arena,
-            inline_transport=args.inline_transport,
-            in_process_builder=args.in_process_builder,
-        )
+        try:
+            pipeline = Pipeline(
+                profile,
+                backends,
+                **engine_parts,
+                options=length_options(args),
+                materializer_target=args.materializer or None,
+                shm_prefix=prefix,
+                arena=arena,
+                inline_transport=args.inline_transport,
+                in_process_builder=args.in_process_builder,
+            )
+        except InvalidArgumentError as exc:
+            for backend in backends.values():
+                backend.close()
+            raise SystemExit(f"decoder: {exc}") from exc
         pipeline.start()
         servicer = DecoderServicer(pipeline, engine=args.engine, materializer_target=args.materializer)
 

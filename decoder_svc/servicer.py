@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import zlib
 from collections.abc import AsyncIterator
 
 import grpc
 
 from decoder_svc.backend import RequestSpec
+from decoder_svc.lengths import DeploymentSettings
 from decoder_svc.pipeline import Pipeline, Sink
 from omni_common.errors import InvalidArgumentError, OmniError, UnavailableError, grpc_code_for
 from omni_common.modality import OutputModality
@@ -21,8 +23,16 @@ logger = logging.getLogger(__name__)
 MAX_PROMPT_CHARS = 8192
 
 
-def spec_from_pb(req: decoder_pb2.GenerateRequest, default_modalities: str) -> RequestSpec:
-    """Validate a GenerateRequest and turn it into a RequestSpec."""
+def spec_from_pb(
+    req: decoder_pb2.GenerateRequest, default_modalities: str, settings: DeploymentSettings | None = None
+) -> RequestSpec:
+    """Validate a GenerateRequest and turn it into a RequestSpec.
+
+    With ``sampling_params.model_defaults``, a temperature, top_p or top_k
+    left at 0 takes the model's default (``settings``' default_*) instead of
+    meaning greedy / off. The checks that need the deployment (caps,
+    modalities, instructions) are the pipeline's (``lengths.check_request``).
+    """
     if not req.request_id:
         raise InvalidArgumentError("request_id", "is empty")
     if not req.prompt.strip():
@@ -30,8 +40,23 @@ def spec_from_pb(req: decoder_pb2.GenerateRequest, default_modalities: str) -> R
     if len(req.prompt) > MAX_PROMPT_CHARS:
         raise InvalidArgumentError("prompt", f"has {len(req.prompt)} characters; at most {MAX_PROMPT_CHARS}")
     sp = req.sampling_params
-    if sp.temperature < 0:
-        raise InvalidArgumentError("sampling_params.temperature", f"must be >= 0, got {sp.temperature}")
+    for name in ("temperature", "top_p", "max_audio_seconds"):
+        value = getattr(sp, name)
+        if not math.isfinite(value) or value < 0:
+            raise InvalidArgumentError(f"sampling_params.{name}", f"must be a finite number >= 0, got {value}")
+    if sp.top_p > 1:
+        raise InvalidArgumentError("sampling_params.top_p", f"must be in [0, 1] (0 or 1 = off), got {sp.top_p}")
+    if sp.top_k < 0:
+        raise InvalidArgumentError("sampling_params.top_k", f"must be >= 0 (0 = off), got {sp.top_k}")
+    if len(req.instructions) > MAX_PROMPT_CHARS:
+        raise InvalidArgumentError(
+            "instructions", f"has {len(req.instructions)} characters; at most {MAX_PROMPT_CHARS}"
+        )
+    temperature, top_p, top_k = sp.temperature, sp.top_p, sp.top_k
+    if sp.model_defaults and settings is not None:
+        temperature = temperature or settings.default_temperature
+        top_p = top_p or settings.default_top_p
+        top_k = top_k or settings.default_top_k
     modality = (
         OutputModality.from_proto(req.output_modalities)
         if req.output_modalities
@@ -42,14 +67,16 @@ def spec_from_pb(req: decoder_pb2.GenerateRequest, default_modalities: str) -> R
         request_id=req.request_id,
         prompt=req.prompt,
         max_tokens=sp.max_tokens,
-        temperature=sp.temperature,
-        top_p=sp.top_p or 1.0,
-        top_k=sp.top_k,
+        temperature=temperature,
+        top_p=top_p or 1.0,
+        top_k=top_k,
         # unset seed: a stable one derived from the request id
         seed=sp.seed if sp.HasField("seed") else zlib.crc32(req.request_id.encode()),
         voice=req.voice or "default",
         task=task,
         modality=modality,
+        max_audio_seconds=sp.max_audio_seconds,
+        instructions=req.instructions.strip(),
     )
 
 
@@ -79,7 +106,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         self, request: decoder_pb2.GenerateRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[decoder_pb2.GenerateResponse]:
         try:
-            spec = spec_from_pb(request, self.pipeline.profile.default_modalities)
+            spec = spec_from_pb(request, self.pipeline.profile.default_modalities, self.pipeline.settings)
             if spec.task == "embed":
                 backend = self.pipeline.backends[self.pipeline.ar_config.name]
                 vector = await asyncio.to_thread(backend.embed, spec)
@@ -138,6 +165,10 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             finished_requests=p.finished_requests,
             voices=list(self.pipeline.voices),
             sample_rate_hz=self.pipeline.sample_rate,
+            output_modalities=p.settings.output_modalities.to_proto(),
+            limits=p.settings.limits_pb(),
+            supports_instructions=p.settings.supports_instructions,
+            model=p.settings.model,
         )
         attachment = p.link.attachment if p.link is not None else None
         if attachment is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import struct
 from dataclasses import dataclass
 
@@ -51,6 +52,20 @@ def wav_header(sample_rate_hz: int, data_bytes: int | None = None) -> bytes:
     )
 
 
+def flac_bytes(pcm: bytes, sample_rate_hz: int) -> bytes:
+    """PCM16LE mono samples as a FLAC file (lossless: it decodes to the same samples).
+
+    Encoded with libsndfile (the ``soundfile`` package), loaded on first use.
+    FLAC's header states the length, so the whole audio is needed first.
+    """
+    import soundfile
+
+    out = io.BytesIO()
+    samples = np.frombuffer(pcm, dtype="<i2")
+    soundfile.write(out, samples, sample_rate_hz, format="FLAC", subtype="PCM_16")
+    return out.getvalue()
+
+
 @dataclass(frozen=True)
 class AudioChunk:
     """One chunk of a Speak stream."""
@@ -62,6 +77,8 @@ class AudioChunk:
     final: bool
     metrics: RequestMetrics
     encoding: int = gateway_pb2.AUDIO_ENCODING_PCM16LE
+    finish_reason: str = ""
+    """On the final chunk: why the speech ended ("stop", "length", "repetition", "abort")."""
 
     @property
     def num_samples(self) -> int:
@@ -76,6 +93,7 @@ class AudioChunk:
             encoding=self.encoding,
             final=self.final,
             metrics=self.metrics.to_pb(),
+            finish_reason=self.finish_reason,
         )
 
 
@@ -85,6 +103,7 @@ __all__ = [
     "SAMPLE_RATE_KEY",
     "STREAMING_WAV_DATA_BYTES",
     "AudioChunk",
+    "flac_bytes",
     "pcm16le",
     "wav_header",
 ]

@@ -33,6 +33,7 @@ from gateway.validation import (
     GenerationRequest,
     Limits,
     SpeechRequest,
+    check_against_decoder,
     check_sample_rate,
     check_voice,
     decoder_request,
@@ -105,6 +106,12 @@ class GatewayEngine:
         """Stream a Generate request's outputs (per its output kind)."""
         with self.admission.slot():
             info = await self.pool.info()
+            check_against_decoder(
+                info,
+                modality=request.output_modality,
+                sampling_params=request.sampling_params,
+                instructions=request.instructions,
+            )
             voice = await self._voice(request.voice, info)
             upstream = decoder_request(
                 request.request_id,
@@ -112,6 +119,7 @@ class GatewayEngine:
                 request.output_modality,
                 voice,
                 request.sampling_params,
+                request.instructions,
             )
             async for output in self._stream(
                 upstream, request.output_modality, request.output_kind
@@ -123,6 +131,12 @@ class GatewayEngine:
         start = self._clock()
         with self.admission.slot():
             info = await self.pool.info()
+            check_against_decoder(
+                info,
+                modality=OutputModality.AUDIO,
+                sampling_params=request.sampling_params,
+                instructions=request.instructions,
+            )
             voice = await self._voice(request.voice, info)
             rate = check_sample_rate(request.sample_rate_hz, info)
             upstream = decoder_request(
@@ -131,6 +145,7 @@ class GatewayEngine:
                 OutputModality.AUDIO,
                 voice,
                 request.sampling_params,
+                request.instructions,
             )
             sequence = samples = 0
             first_packet: float | None = None
@@ -165,6 +180,7 @@ class GatewayEngine:
                         sample_rate_hz=rate,
                         final=final,
                         metrics=chunk_metrics,
+                        finish_reason=output.finish_reason if final else "",
                     )
                     sequence += 1
 
@@ -224,17 +240,27 @@ class GatewayEngine:
                     f"decoder ended the stream of request {request_id!r} without a final output"
                 )
         finally:
-            self.processor.abort_requests((request_id,))
-            if assignment is not None:
-                try:
-                    if not finished and not unreachable:
-                        if call is not None:
-                            call.cancel()
-                        # The replica is looked up now; shielded: a second
-                        # cancellation must not stop the abort.
-                        await asyncio.shield(self.pool.abort((request_id,)))
-                finally:
+            if assignment is None or finished or unreachable:
+                self.processor.abort_requests((request_id,))
+                if assignment is not None:
                     self.pool.end(assignment)
+            else:
+                if call is not None:
+                    call.cancel()
+                # The request id stays taken until the decoder has answered the
+                # Abort: a new request reusing the id cannot start on the decoder
+                # before it, and be ended by this Abort. The replica is looked up
+                # now; shielded: a second cancellation must not stop the abort
+                # (nor the release, which runs when the abort is done).
+                done = assignment
+
+                def release(_: object) -> None:
+                    self.processor.abort_requests((request_id,))
+                    self.pool.end(done)
+
+                abort = asyncio.ensure_future(self.pool.abort((request_id,)))
+                abort.add_done_callback(release)
+                await asyncio.shield(abort)
 
     def _other(self, failed: Replica) -> Replica | None:
         """A healthy replica other than `failed` for a retried start, or None."""

@@ -28,6 +28,11 @@ DEFAULT_INTERVAL_S = 0.25
 """Time between two checks: a flip is seen within this plus one check's deadline."""
 DEFAULT_TIMEOUT_S = 0.5
 """Deadline of one check. A local decoder answers in about a millisecond."""
+DEFAULT_SLOW_CHECKS = 4
+"""Checks in a row that must run past their deadline before a healthy decoder
+counts as down. A decoder that refuses the connection or answers NOT_SERVING
+is down at once; one that is merely slow to answer (a host saturated by its
+own load) keeps its requests for about this many intervals plus deadlines."""
 
 
 class HealthState(Protocol):
@@ -49,8 +54,11 @@ class DecoderMonitor:
         *,
         interval_s: float = DEFAULT_INTERVAL_S,
         timeout_s: float = DEFAULT_TIMEOUT_S,
+        slow_checks: int = DEFAULT_SLOW_CHECKS,
     ) -> None:
         self._decoder = decoder
+        self.slow_checks = max(1, slow_checks)
+        self._slow = 0
         self._wake = asyncio.Event()
         self._on_change = on_change
         self.interval_s = interval_s
@@ -85,6 +93,10 @@ class DecoderMonitor:
         """Run one check now, apply its result, and return it."""
         problem = await self._decoder.probe(self.timeout_s)
         healthy = problem is None
+        slow = problem is not None and problem.startswith("DEADLINE_EXCEEDED")
+        self._slow = self._slow + 1 if slow else 0
+        if slow and self.healthy and self._slow < self.slow_checks:
+            healthy = True  # slow, not gone: keep it until slow_checks in a row
         if healthy != self.healthy:
             if healthy:
                 logger.info("decoder at %s is healthy", self._decoder.target)

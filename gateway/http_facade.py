@@ -2,17 +2,30 @@
 
 Routes:
 
-* ``POST /v1/audio/speech`` - OpenAI's speech request (``input``, ``model``,
-  ``voice``, ``response_format`` pcm|wav, ``speed`` validated and ignored,
-  ``stream``; extension: ``seed``). Streams raw PCM16LE (``pcm``) or a WAV
-  whose header carries the streaming maximum length (``wav``) with chunked
-  transfer; ``"stream": false`` buffers and sends an exact WAV/PCM body.
+* ``POST /v1/audio/speech`` - OpenAI's speech request (`gateway.http_speech`):
+  raw audio chunks or SSE events as the audio is made, or one exact
+  WAV/PCM/FLAC body.
+* ``POST /v1/chat/completions`` - OpenAI's chat completions with text and
+  audio output, streamed (SSE) or whole (`gateway.http_chat`).
+* ``GET /v1/models`` and ``GET /v1/models/{id}`` - the served model, with
+  its modalities, voices and limits (`gateway.http_models`).
 * ``GET /health`` - 200 when a decoder is healthy (the same state as the
   gateway's gRPC health), 503 otherwise; ``decoders`` counts the healthy
   and the configured replicas. Never needs a token.
-* ``GET /metrics`` - Prometheus text format.
+* ``GET /metrics`` - Prometheus text format. Every HTTP request is counted
+  in ``omni_gateway_http_requests_total{api, status}`` (``api`` is the
+  route template) and timed in ``omni_gateway_http_request_seconds``; the
+  ``/v1/`` routes also count in ``omni_gateway_requests_total`` with the
+  gRPC code of their status.
+* ``GET /v1/audio/speech/stream`` - a WebSocket: text in as it is written,
+  audio out as each segment is spoken, cancel (barge-in) on the same call
+  (`gateway.http_ws`, `gateway.speak_stream`).
+* ``GET /`` and ``GET /playground/{name}`` - the playground page and its
+  files (`gateway.http_playground`).
 
-With a token configured, every route but ``/health`` needs
+With a token configured, every route but ``/health`` and the playground
+page (GET/HEAD of ``/`` and its files, static and holding no data: the page
+sends the token the user types to the API routes) needs
 ``Authorization: Bearer <token>``; without it the answer is 401 in OpenAI's
 shape (code ``invalid_api_key``).
 
@@ -23,31 +36,24 @@ the message from `public_message` (bounded, sanitized).
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import logging
-import math
 import ssl
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from dataclasses import dataclass
+import time
+from collections.abc import Awaitable, Callable, Mapping
 
 import grpc
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway.audio import AudioChunk, wav_header
+from gateway import metrics
 from gateway.engine import GatewayEngine
 from gateway.health import HealthState
+from gateway.http_playground import add_playground_routes, is_page_path
 from gateway.servicer import CLIENT_ERRORS
-from gateway.validation import (
-    Limits,
-    SpeechRequest,
-    check_request_id,
-    check_seed,
-    check_text,
-    check_voice_shape,
-    json_type_name,
-)
+from gateway.validation import json_type_name
 from omni_common.errors import (
     INTERNAL_MESSAGE,
     FailedPreconditionError,
@@ -58,16 +64,12 @@ from omni_common.errors import (
     quote_value,
 )
 from omni_common.server import bearer_token_matches
-from omni_serving.v1 import common_pb2
 
 logger = logging.getLogger(__name__)
 
-RESPONSE_FORMATS = ("pcm", "wav")
-DEFAULT_RESPONSE_FORMAT = "wav"
-SPEED_RANGE = (0.25, 4.0)
 REQUEST_ID_HEADER = "X-Request-Id"
 SAMPLE_RATE_HEADER = "X-Sample-Rate"
-_CONTENT_TYPES = {"pcm": "audio/pcm", "wav": "audio/wav"}
+FINISH_REASON_HEADER = "X-Finish-Reason"
 
 # gRPC code -> (HTTP status, OpenAI error type).
 _HTTP_STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
@@ -92,20 +94,91 @@ def error_response(
     return web.json_response(body, status=status)
 
 
-def error_response_for(exc: BaseException) -> web.Response:
-    """OpenAI-shaped error for an exception, through the shared gRPC code mapping."""
+def http_param(field: str | None, params: Mapping[str, str] | None = None) -> str | None:
+    """The HTTP field a client sent for an engine or decoder field name.
+
+    ``sampling_params.x`` is the body's ``x``; `params` renames the rest
+    (``text`` -> ``input`` for speech, ``prompt`` -> ``messages`` for chat).
+    """
+    if field is None:
+        return None
+    field = field.removeprefix("sampling_params.")
+    return (params or {}).get(field, field)
+
+
+def error_body(
+    exc: BaseException, params: Mapping[str, str] | None = None
+) -> tuple[int, dict[str, object]]:
+    """The HTTP status and OpenAI error object for an exception (gRPC code mapping)."""
     code = grpc_code_for(exc)
     status, type_ = _HTTP_STATUS.get(code, (500, "server_error"))
     if status == 500:
-        logger.error("speech request failed", exc_info=exc)
+        logger.error("HTTP request failed", exc_info=exc)
         code = grpc.StatusCode.INTERNAL
         message = public_message(exc) if isinstance(exc, OmniError) else INTERNAL_MESSAGE
     else:
-        logger.info("speech request refused: %s: %s", code.name, exc)
+        logger.info("HTTP request refused: %s: %s", code.name, exc)
         message = public_message(exc)
     field = getattr(exc, "field", None)
-    param = field if isinstance(field, str) else None
-    return error_response(status, message, type_=type_, param=param, code=code.name.lower())
+    param = http_param(field if isinstance(field, str) else None, params)
+    return status, {"message": message, "type": type_, "param": param, "code": code.name.lower()}
+
+
+def error_response_for(exc: BaseException, params: Mapping[str, str] | None = None) -> web.Response:
+    """OpenAI-shaped error for an exception, through the shared gRPC code mapping.
+
+    `params` maps engine and decoder field names to the request's (`http_param`).
+    """
+    status, error = error_body(exc, params)
+    return web.json_response({"error": error}, status=status)
+
+
+class InvalidBodyError(OmniError):
+    """The request body is not a JSON document (400, no ``param``)."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+
+async def read_json(request: web.Request) -> object:
+    """The request's JSON body (`InvalidBodyError` if it does not parse)."""
+    try:
+        return json.loads(await request.read())
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, bad UTF-8, deep nesting
+        reason = exc.msg if isinstance(exc, json.JSONDecodeError) else "cannot be decoded"
+        raise InvalidBodyError(f"body: not valid JSON: {reason}") from None
+
+
+def json_field(
+    body: Mapping[str, object], name: str, types: tuple[type, ...], default: object
+) -> object:
+    """`body[name]` if it has one of `types` (absent or null: `default`); else a 400 naming it.
+
+    `name` is the field as the client spells it (``audio.format``); the key
+    looked up is its last part.
+    """
+    value = body.get(name.rpartition(".")[2], default)
+    if value is None:
+        return default
+    # bool is an int: refuse it where a number is expected.
+    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+        wanted = " or ".join(dict.fromkeys(json_type_name(t()) for t in types))
+        raise InvalidArgumentError(name, f"must be a {wanted}, got {json_type_name(value)}")
+    return value
+
+
+def sse_event(data: object) -> bytes:
+    """One server-sent event carrying `data` as JSON."""
+    return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
+
+
+async def write_sse_error(
+    response: web.StreamResponse, exc: BaseException, params: Mapping[str, str] | None = None
+) -> None:
+    """End an SSE stream that failed after its headers left: an error event, no more."""
+    _, error = error_body(exc, params)
+    with contextlib.suppress(ConnectionError, RuntimeError):  # the client may be gone
+        await response.write(sse_event({"type": "error", "error": error}))
+        await response.write_eof()
 
 
 UNAUTHORIZED_MESSAGE = (
@@ -119,72 +192,6 @@ def unauthorized_response() -> web.Response:
     )
     response.headers["WWW-Authenticate"] = "Bearer"
     return response
-
-
-@dataclass(frozen=True)
-class SpeechCall:
-    """A validated ``/v1/audio/speech`` body."""
-
-    request: SpeechRequest
-    response_format: str
-    stream: bool
-
-
-def _field(
-    body: Mapping[str, object], name: str, types: tuple[type, ...], default: object
-) -> object:
-    value = body.get(name, default)
-    if value is None:
-        return default
-    # bool is an int: refuse it where a number is expected.
-    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-        wanted = " or ".join(dict.fromkeys(json_type_name(t()) for t in types))
-        raise InvalidArgumentError(name, f"must be a {wanted}, got {json_type_name(value)}")
-    return value
-
-
-def speech_call_from_json(body: object, limits: Limits, request_id: str | None) -> SpeechCall:
-    """Validate an OpenAI speech body; fields are named as in OpenAI's API."""
-    if not isinstance(body, dict):
-        raise InvalidArgumentError("body", "must be a JSON object")
-    text = check_text(body.get("input"), limits, "input")
-    model = _field(body, "model", (str,), "")
-    if not model:
-        raise InvalidArgumentError("model", "is required")
-    voice = check_voice_shape(str(_field(body, "voice", (str,), "")))
-    response_format = _field(body, "response_format", (str,), DEFAULT_RESPONSE_FORMAT)
-    if response_format not in RESPONSE_FORMATS:
-        raise InvalidArgumentError(
-            "response_format",
-            f"unsupported format {quote_value(response_format)}; "
-            f"supported: {', '.join(RESPONSE_FORMATS)}",
-        )
-    speed = _field(body, "speed", (int, float), 1.0)
-    assert isinstance(speed, (int, float))
-    # An integer too large for a float is out of range too (math.isfinite would overflow).
-    if not (
-        abs(speed) < 1e300 and math.isfinite(speed) and SPEED_RANGE[0] <= speed <= SPEED_RANGE[1]
-    ):
-        raise InvalidArgumentError(
-            "speed",
-            f"must be between {SPEED_RANGE[0]} and {SPEED_RANGE[1]}, got {quote_value(speed)}",
-        )
-    stream = _field(body, "stream", (bool,), True)
-    seed = _field(body, "seed", (int,), None)
-    sampling = None
-    if seed is not None:
-        assert isinstance(seed, int)
-        sampling = common_pb2.SamplingParams(seed=check_seed(seed))
-    return SpeechCall(
-        request=SpeechRequest(
-            request_id=check_request_id(request_id or "", REQUEST_ID_HEADER),
-            text=text,
-            voice=voice,
-            sampling_params=sampling,
-        ),
-        response_format=response_format,
-        stream=stream,
-    )
 
 
 class HttpFacade:
@@ -201,13 +208,26 @@ class HttpFacade:
         self._engine = engine
         self._monitor = monitor
         self._ssl_context = ssl_context
-        middlewares = [_openai_errors]
+        # Imported here: the endpoint modules use this module's helpers.
+        from gateway.http_chat import ChatEndpoint
+        from gateway.http_models import ModelsEndpoint
+        from gateway.http_speech import SpeechEndpoint
+        from gateway.http_ws import SpeechStreamEndpoint
+
+        # Outermost first: the metrics see the final status of every request.
+        middlewares = [_http_metrics, _openai_errors]
         if auth_token is not None:
             middlewares.append(_bearer_auth(auth_token))
         self.app = web.Application(middlewares=middlewares)
-        self.app.router.add_post("/v1/audio/speech", self.speech)
+        models = ModelsEndpoint(engine)
+        self.app.router.add_post("/v1/audio/speech", SpeechEndpoint(engine).handle)
+        self.app.router.add_get("/v1/audio/speech/stream", SpeechStreamEndpoint(engine).handle)
+        self.app.router.add_post("/v1/chat/completions", ChatEndpoint(engine).handle)
+        self.app.router.add_get("/v1/models", models.list)
+        self.app.router.add_get("/v1/models/{model_id:.+}", models.get)
         self.app.router.add_get("/health", self.health)
         self.app.router.add_get("/metrics", self.metrics)
+        add_playground_routes(self.app.router)
         self._runner: web.AppRunner | None = None
         self.port: int | None = None
 
@@ -266,111 +286,80 @@ class HttpFacade:
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
-    async def speech(self, request: web.Request) -> web.StreamResponse:
-        try:
-            body = json.loads(await request.read())
-        except (ValueError, RecursionError) as exc:  # JSONDecodeError, bad UTF-8, deep nesting
-            reason = exc.msg if isinstance(exc, json.JSONDecodeError) else "cannot be decoded"
-            return error_response(
-                400,
-                f"body: not valid JSON: {reason}",
-                type_="invalid_request_error",
-                param=None,
-                code="invalid_argument",
-            )
-        try:
-            call = speech_call_from_json(
-                body, self._engine.limits, request.headers.get(REQUEST_ID_HEADER)
-            )
-        except CLIENT_ERRORS as exc:
-            return error_response_for(exc)
-        async with contextlib.aclosing(self._engine.speak(call.request)) as chunks:
-            # Errors before the first chunk (validation against the decoder,
-            # overload, decoder down) still get a proper status and JSON body.
-            try:
-                first = await anext(chunks)
-            except CLIENT_ERRORS as exc:
-                return error_response_for(exc)
-            if call.stream:
-                return await self._stream(request, call, first, chunks)
-            return await self._buffered(call, first, chunks)
-
-    async def _buffered(
-        self, call: SpeechCall, first: AudioChunk, rest: AsyncIterator[AudioChunk]
-    ) -> web.Response:
-        parts = [first.audio]
-        try:
-            async for chunk in rest:
-                parts.append(chunk.audio)
-        except CLIENT_ERRORS as exc:
-            return error_response_for(exc)
-        pcm = b"".join(parts)
-        body = (
-            pcm
-            if call.response_format == "pcm"
-            else wav_header(first.sample_rate_hz, len(pcm)) + pcm
-        )
-        return web.Response(
-            body=body,
-            headers=self._headers(call, first),
-        )
-
-    async def _stream(
-        self,
-        request: web.Request,
-        call: SpeechCall,
-        first: AudioChunk,
-        rest: AsyncIterator[AudioChunk],
-    ) -> web.StreamResponse:
-        response = web.StreamResponse(headers=self._headers(call, first))
-        response.enable_chunked_encoding()
-        await response.prepare(request)
-        if call.response_format == "wav":
-            await response.write(wav_header(first.sample_rate_hz))
-        if first.audio:
-            await response.write(first.audio)
-        try:
-            async for chunk in rest:
-                if chunk.audio:
-                    await response.write(chunk.audio)
-        except Exception as exc:  # noqa: BLE001  client errors and bugs alike, once headers are out
-            # Headers are sent: the only honest signal left is to cut the
-            # connection before the terminating chunk.
-            if isinstance(exc, CLIENT_ERRORS):
-                logger.warning(
-                    "speech stream %s failed mid-stream: %s", call.request.request_id, exc
-                )
-            else:
-                logger.error("speech stream %s failed", call.request.request_id, exc_info=exc)
-            if request.transport is not None:
-                request.transport.close()
-            return response
-        await response.write_eof()
-        return response
-
-    @staticmethod
-    def _headers(call: SpeechCall, first: AudioChunk) -> dict[str, str]:
-        return {
-            "Content-Type": _CONTENT_TYPES[call.response_format],
-            REQUEST_ID_HEADER: call.request.request_id,
-            SAMPLE_RATE_HEADER: str(first.sample_rate_hz),
-        }
-
 
 def _bearer_auth(
     token: str,
 ) -> Callable[[web.Request, Callable[[web.Request], Awaitable[web.StreamResponse]]], Awaitable]:
     @web.middleware
     async def bearer_auth(request: web.Request, handler) -> web.StreamResponse:  # noqa: ANN001
-        """Every route but /health needs ``Authorization: Bearer <token>``."""
-        if request.path == "/health" or bearer_token_matches(
-            request.headers.get("Authorization"), token
+        """Every route but /health and the playground page needs ``Authorization: Bearer <token>``."""
+        if (
+            request.path == "/health"
+            or is_page_path(request.method, request.path)
+            or bearer_token_matches(request.headers.get("Authorization"), token)
         ):
             return await handler(request)
         logger.info("refused %s %s: no valid bearer token", request.method, request.path)
         return unauthorized_response()
 
     return bearer_auth
+
+
+# HTTP status -> the gRPC code counted in omni_gateway_requests_total.
+_GRPC_CODE_OF_STATUS: dict[int, str] = {
+    200: "OK",
+    400: "INVALID_ARGUMENT",
+    401: "UNAUTHENTICATED",
+    403: "PERMISSION_DENIED",
+    404: "NOT_FOUND",
+    405: "UNIMPLEMENTED",
+    409: "ABORTED",
+    413: "RESOURCE_EXHAUSTED",
+    429: "RESOURCE_EXHAUSTED",
+    499: "CANCELLED",
+    503: "UNAVAILABLE",
+    504: "DEADLINE_EXCEEDED",
+}
+CLIENT_CLOSED_STATUS = 499
+"""Status counted for a request whose client went away before it was answered."""
+
+
+def route_label(request: web.Request) -> str:
+    """The route template of a request (``/v1/models/{model_id}``); "unmatched" for none."""
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else "unmatched"
+
+
+@web.middleware
+async def _http_metrics(request: web.Request, handler) -> web.StreamResponse:  # noqa: ANN001
+    """Count and time every request by route template and status."""
+    start = time.monotonic()
+    status = CLIENT_CLOSED_STATUS
+    try:
+        response = await handler(request)
+        status = response.status
+        return response
+    except web.HTTPException as exc:  # not reached through _openai_errors; counted anyway
+        status = exc.status
+        raise
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        status = 500
+        raise
+    finally:
+        api = route_label(request)
+        metrics.HTTP_REQUESTS.labels(api=api, status=str(status)).inc()
+        metrics.HTTP_REQUEST_SECONDS.labels(api=api).observe(time.monotonic() - start)
+        if api.startswith("/v1/"):
+            # 101: a WebSocket call that ran to its end (its errors travel in-band)
+            ok = status < 400
+            code = (
+                "OK"
+                if ok
+                else _GRPC_CODE_OF_STATUS.get(status, "INTERNAL" if status >= 500 else "UNKNOWN")
+            )
+            metrics.REQUESTS.labels(api=api, code=code).inc()
 
 
 @web.middleware
@@ -396,10 +385,18 @@ async def _openai_errors(request: web.Request, handler) -> web.StreamResponse:  
 
 
 __all__ = [
-    "DEFAULT_RESPONSE_FORMAT",
-    "RESPONSE_FORMATS",
+    "FINISH_REASON_HEADER",
+    "REQUEST_ID_HEADER",
+    "SAMPLE_RATE_HEADER",
     "HttpFacade",
-    "SpeechCall",
+    "InvalidBodyError",
+    "error_body",
+    "error_response",
     "error_response_for",
-    "speech_call_from_json",
+    "http_param",
+    "json_field",
+    "read_json",
+    "route_label",
+    "sse_event",
+    "write_sse_error",
 ]

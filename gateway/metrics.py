@@ -22,6 +22,18 @@ REQUESTS = Counter(
     "Finished client requests by API and status code",
     ["api", "code"],
 )
+HTTP_REQUESTS = Counter(
+    "omni_gateway_http_requests",
+    "HTTP requests by route template (api, e.g. /v1/chat/completions) and status "
+    "(499: the client went away first)",
+    ["api", "status"],
+)
+HTTP_REQUEST_SECONDS = Histogram(
+    "omni_gateway_http_request_seconds",
+    "Time from an HTTP request's arrival to the end of its response (streams included)",
+    ["api"],
+    buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0),
+)
 ACTIVE_STREAMS = Gauge("omni_gateway_active_streams", "Client streams in progress")
 TTFP_SECONDS = Histogram(
     "omni_gateway_ttfp_seconds",
@@ -95,6 +107,8 @@ __all__ = [
     "DECODER_RETRIES",
     "DECODER_UP",
     "FAILED_CONSOLIDATIONS",
+    "HTTP_REQUESTS",
+    "HTTP_REQUEST_SECONDS",
     "REQUESTS",
     "RTF",
     "SKIPPED_TENSORS",

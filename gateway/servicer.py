@@ -16,19 +16,21 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 
 from gateway import metrics
+from gateway.decoder_client import DecoderInfo
 from gateway.engine import GatewayEngine
+from gateway.speak_stream import serve_grpc as serve_speak_stream
 from gateway.validation import (
     check_response_size,
     generation_request_from_pb,
     speech_request_from_pb,
 )
 from omni_common.errors import INTERNAL_MESSAGE, OmniError, grpc_code_for, public_message
-from omni_serving.v1 import gateway_pb2, gateway_pb2_grpc
+from omni_serving.v1 import gateway_pb2, gateway_pb2_grpc, payload_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +86,53 @@ class OmniGatewayService(gateway_pb2_grpc.OmniGatewayServiceServicer):
             await _abort(context, "Speak", exc, bug=True)
         metrics.REQUESTS.labels(api="Speak", code="OK").inc()
 
+    async def SpeakStream(
+        self,
+        requests: AsyncIterator[gateway_pb2.SpeakStreamRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> None:
+        """Text in, audio out, on one call (`gateway.speak_stream`)."""
+        try:
+            await serve_speak_stream(self._engine, requests, context)
+        except CLIENT_ERRORS as exc:
+            await _abort(context, "SpeakStream", exc)
+        except asyncio.CancelledError:
+            metrics.REQUESTS.labels(api="SpeakStream", code="CANCELLED").inc()
+            raise
+        except Exception as exc:  # noqa: BLE001  a bug: logged with its traceback, INTERNAL
+            await _abort(context, "SpeakStream", exc, bug=True)
+        metrics.REQUESTS.labels(api="SpeakStream", code="OK").inc()
+
+    async def ListModels(
+        self, request: gateway_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
+    ) -> gateway_pb2.ListModelsResponse:
+        response = gateway_pb2.ListModelsResponse()
+        try:
+            response.models.append(model_card(await self._engine.decoder_info()))
+        except CLIENT_ERRORS as exc:
+            await _abort(context, "ListModels", exc)
+        except Exception as exc:  # noqa: BLE001  a bug: logged with its traceback, INTERNAL
+            await _abort(context, "ListModels", exc, bug=True)
+        metrics.REQUESTS.labels(api="ListModels", code="OK").inc()
+        return response
+
+
+def model_card(info: DecoderInfo) -> gateway_pb2.ModelCard:
+    """The deployment as clients see it, from the decoder's info (id: the model's name)."""
+    card = gateway_pb2.ModelCard(
+        id=info.model or info.profile,
+        profile=info.profile,
+        output_modalities=[
+            payload_pb2.OutputModality.Value(f"OUTPUT_MODALITY_{name.upper()}")
+            for name in info.output_modalities
+        ],
+        voices=list(info.voices),
+        sample_rate_hz=info.sample_rate_hz,
+        supports_instructions=info.supports_instructions,
+    )
+    card.limits.CopyFrom(info.limits)
+    return card
+
 
 async def _abort(
     context: grpc.aio.ServicerContext, api: str, exc: BaseException, *, bug: bool = False
@@ -120,4 +169,4 @@ def registrar(engine: GatewayEngine) -> Callable[[grpc.aio.Server], None]:
     return register
 
 
-__all__ = ["CLIENT_ERRORS", "SERVICE_NAME", "OmniGatewayService", "registrar"]
+__all__ = ["CLIENT_ERRORS", "SERVICE_NAME", "OmniGatewayService", "model_card", "registrar"]

@@ -13,9 +13,18 @@ the gateway admits is not refused deep in the engine:
 * ``temperature``: finite, in [0, 2] (0 = greedy);
 * ``top_p``: finite, in [0, 1] (0 or 1 = off; the decoder sends 0 as 1);
 * ``top_k``: >= 0 (0 = off; vLLM caps values above the vocabulary);
-* ``max_tokens``: any uint32 (0 = the decoder's default); the decoder
+* ``max_tokens``: any uint32 (0 = the decoder's default); at most the
+  deployment's ``max_text_tokens`` where it produces text; the decoder
   refuses prompt + max_tokens beyond the model's context (INVALID_ARGUMENT);
+* ``max_audio_seconds``: finite, >= 0 (0 = the deployment's default), at
+  most the deployment's ``max_audio_seconds``;
 * ``seed``: below 2**63, the range every engine's int64 seed arithmetic holds.
+
+Checks against what the deployment can do (`check_against_decoder`, with the
+decoder's `DecoderInfo`): the output modalities it produces, whether it takes
+``instructions``, its length caps. A decoder that reports no modalities (an
+older one) is not checked for them; instructions need a decoder that says it
+supports them.
 """
 
 from __future__ import annotations
@@ -77,6 +86,7 @@ class SpeechRequest:
     sample_rate_hz: int = NATIVE_SAMPLE_RATE
     encoding: int = gateway_pb2.AUDIO_ENCODING_PCM16LE
     sampling_params: common_pb2.SamplingParams | None = None
+    instructions: str = ""
 
 
 @dataclass(frozen=True)
@@ -89,6 +99,7 @@ class GenerationRequest:
     output_kind: OutputKind
     voice: str = ""
     sampling_params: common_pb2.SamplingParams | None = None
+    instructions: str = ""
 
 
 # ---------------------------------------------------------------------------
@@ -188,7 +199,66 @@ def check_sampling_params(
         raise InvalidArgumentError(f"{field}.top_k", f"must be >= 0 (0 = off), got {params.top_k}")
     if params.HasField("seed"):
         check_seed(params.seed, f"{field}.seed")
+    if not math.isfinite(params.max_audio_seconds):
+        raise InvalidArgumentError(
+            f"{field}.max_audio_seconds", f"must be a finite number, got {params.max_audio_seconds}"
+        )
+    if params.max_audio_seconds < 0:
+        raise InvalidArgumentError(
+            f"{field}.max_audio_seconds",
+            f"must be >= 0 (0 = the deployment's default), got {params.max_audio_seconds:g}",
+        )
     return params
+
+
+def check_instructions(text: str, limits: Limits, field: str = "instructions") -> str:
+    """Optional style instructions: at most `limits.max_text_chars`, valid Unicode; blank = none."""
+    if len(text) > limits.max_text_chars:
+        raise InvalidArgumentError(
+            field, f"has {len(text)} characters; the limit is {limits.max_text_chars}"
+        )
+    return check_unicode(text, field).strip()
+
+
+def check_against_decoder(
+    info: DecoderInfo,
+    *,
+    modality: OutputModality,
+    sampling_params: common_pb2.SamplingParams | None,
+    instructions: str,
+    modality_field: str = "output_modalities",
+    field: str = "sampling_params",
+) -> None:
+    """A request against what the deployment can do (see the module docstring)."""
+    if info.output_modalities:
+        produced = OutputModality.from_string("+".join(info.output_modalities))
+        missing = modality & ~produced
+        if missing:
+            raise InvalidArgumentError(
+                modality_field,
+                f"this deployment (profile {info.profile or 'unknown'}) produces "
+                f"{produced.to_string()}; {missing.to_string()} cannot be produced",
+            )
+    if instructions and not info.supports_instructions:
+        raise InvalidArgumentError(
+            "instructions",
+            f"this deployment (profile {info.profile or 'unknown'}) does not take instructions",
+        )
+    if sampling_params is None:
+        return
+    limits = info.limits
+    if limits.max_audio_seconds and sampling_params.max_audio_seconds > limits.max_audio_seconds:
+        raise InvalidArgumentError(
+            f"{field}.max_audio_seconds",
+            f"{sampling_params.max_audio_seconds:g} s is above this deployment's maximum of "
+            f"{limits.max_audio_seconds:g} s",
+        )
+    if limits.max_text_tokens and sampling_params.max_tokens > limits.max_text_tokens:
+        raise InvalidArgumentError(
+            f"{field}.max_tokens",
+            f"{sampling_params.max_tokens} is above this deployment's maximum of "
+            f"{limits.max_text_tokens} text tokens",
+        )
 
 
 def check_seed(seed: int, field: str = "seed") -> int:
@@ -268,6 +338,7 @@ def speech_request_from_pb(request: gateway_pb2.SpeakRequest, limits: Limits) ->
         sampling_params=check_sampling_params(
             request.sampling_params if request.HasField("sampling_params") else None
         ),
+        instructions=check_instructions(request.instructions, limits),
     )
 
 
@@ -284,6 +355,7 @@ def generation_request_from_pb(
         sampling_params=check_sampling_params(
             request.sampling_params if request.HasField("sampling_params") else None
         ),
+        instructions=check_instructions(request.instructions, limits),
     )
 
 
@@ -293,6 +365,7 @@ def decoder_request(
     modality: OutputModality,
     voice: str,
     sampling_params: common_pb2.SamplingParams | None,
+    instructions: str = "",
 ) -> decoder_pb2.GenerateRequest:
     """The `DecoderService.Generate` request for a validated gateway request."""
     out = decoder_pb2.GenerateRequest(
@@ -301,6 +374,7 @@ def decoder_request(
         output_modalities=modality.to_proto(),
         voice=voice,
         task=common_pb2.REQUEST_TASK_GENERATE,
+        instructions=instructions,
     )
     if sampling_params is not None:
         out.sampling_params.CopyFrom(sampling_params)
@@ -316,7 +390,9 @@ __all__ = [
     "GenerationRequest",
     "Limits",
     "SpeechRequest",
+    "check_against_decoder",
     "check_encoding",
+    "check_instructions",
     "check_modalities",
     "check_request_id",
     "check_response_size",

@@ -3,8 +3,9 @@
 Each service's entry point builds a `ServerConfig`, passes a `register`
 callback that adds its servicers, and calls `run_server`. This module adds
 what every service needs on top: health checking (`grpc.health.v1`),
-reflection, listening on TCP or a Unix domain socket (UDS), and an orderly
-shutdown on SIGTERM/SIGINT:
+reflection (``grpc.reflection.v1`` and ``v1alpha``, `enable_reflection`),
+listening on TCP or a Unix domain socket (UDS), and an orderly shutdown on
+SIGTERM/SIGINT:
 
 1. health goes NOT_SERVING, so clients and load balancers stop sending work;
 2. `server.stop(grace_s)` lets in-flight RPCs finish, then cancels the rest;
@@ -42,9 +43,10 @@ from dataclasses import dataclass
 from typing import Any, TypeAlias
 
 import grpc
+from google.protobuf import descriptor_pb2, descriptor_pool
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio
-from grpc_reflection.v1alpha import reflection
+from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
 from omni_common.errors import (
     FailedPreconditionError,
@@ -380,10 +382,10 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
 
     gRPC reports a failing request deserializer as UNKNOWN, with the
     exception's class in the message. This interceptor wraps the deserializer
-    of every method whose request is a single message: a parse failure
-    becomes a marker that the wrapped behaviour answers with INVALID_ARGUMENT
-    ("request: ..."), without calling the servicer. Streaming requests are
-    left as they are.
+    of every method: a parse failure becomes a marker that the wrapped
+    behaviour answers with INVALID_ARGUMENT ("request: ..."). A single
+    request never reaches the servicer; on a request stream, the messages
+    before the malformed one are served and the call ends there.
     """
 
     async def intercept_service(
@@ -392,14 +394,17 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler:
         handler = await continuation(handler_call_details)
-        if handler is None or handler.request_streaming or handler.request_deserializer is None:
+        if handler is None or handler.request_deserializer is None:
             return handler
         parse = handler.request_deserializer
+        method = handler_call_details.method or ""
+        if handler.request_streaming:
+            behavior = handler.stream_stream if handler.response_streaming else handler.stream_unary
+            return _same_kind_handler(handler, _checked_stream(behavior, method), _safe(parse))
         if handler.response_streaming:
             behavior = handler.unary_stream
         else:
             behavior = handler.unary_unary
-        method = handler_call_details.method or ""
         return _same_kind_handler(handler, _checked(behavior, method), _safe(parse))
 
 
@@ -439,6 +444,37 @@ def _checked(behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
                 grpc.StatusCode.INVALID_ARGUMENT, _malformed_message(method, request.error)
             )
         result = behavior(request, context)
+        if inspect.isawaitable(result):
+            result = await result
+        return result
+
+    return call
+
+
+def _checked_stream(behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
+    """`behavior` of a request-streaming method, its request stream ending the
+    call with INVALID_ARGUMENT at the first `_Malformed` message."""
+
+    async def checked(
+        requests: AsyncIterator[Any], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[Any]:
+        async for request in requests:
+            if isinstance(request, _Malformed):
+                await context.abort(
+                    grpc.StatusCode.INVALID_ARGUMENT, _malformed_message(method, request.error)
+                )
+            yield request
+
+    if inspect.isasyncgenfunction(behavior):
+
+        async def stream(requests: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            async for item in behavior(checked(requests, context), context):
+                yield item
+
+        return stream
+
+    async def call(requests: Any, context: grpc.aio.ServicerContext) -> Any:
+        result = behavior(checked(requests, context), context)
         if inspect.isawaitable(result):
             result = await result
         return result
@@ -488,6 +524,70 @@ def _remove_uds(path: str) -> None:
         pass
 
 
+REFLECTION_V1_SERVICE_NAME = "grpc.reflection.v1.ServerReflection"
+REFLECTION_V1ALPHA_SERVICE_NAME = reflection.SERVICE_NAME
+_REFLECTION_V1_FILE = "grpc/reflection/v1/reflection.proto"
+_V1ALPHA_PREFIX = ".grpc.reflection.v1alpha."
+_V1_PREFIX = ".grpc.reflection.v1."
+
+
+def _add_reflection_v1_descriptor() -> None:
+    """Put ``grpc/reflection/v1/reflection.proto`` in the default descriptor pool.
+
+    grpcio-reflection ships only v1alpha. v1 has the same messages with the
+    same field numbers in another package, so its file is v1alpha's renamed;
+    with it in the pool, reflection describes its own v1 service too.
+    """
+    pool = descriptor_pool.Default()
+    try:
+        pool.FindFileByName(_REFLECTION_V1_FILE)
+        return  # added already (or shipped by a newer grpcio-reflection)
+    except KeyError:
+        pass
+    proto = descriptor_pb2.FileDescriptorProto()
+    reflection_pb2.DESCRIPTOR.CopyToProto(proto)
+    proto.name = _REFLECTION_V1_FILE
+    proto.package = "grpc.reflection.v1"
+    proto.ClearField("options")
+    for message in proto.message_type:
+        for field in message.field:
+            if field.type_name.startswith(_V1ALPHA_PREFIX):
+                field.type_name = _V1_PREFIX + field.type_name.removeprefix(_V1ALPHA_PREFIX)
+    for service in proto.service:
+        service.ClearField("options")
+        for method in service.method:
+            method.input_type = _V1_PREFIX + method.input_type.removeprefix(_V1ALPHA_PREFIX)
+            method.output_type = _V1_PREFIX + method.output_type.removeprefix(_V1ALPHA_PREFIX)
+    pool.AddSerializedFile(proto.SerializeToString())
+
+
+def enable_reflection(service_names: Iterable[str], server: grpc.aio.Server) -> None:
+    """Serve server reflection as ``grpc.reflection.v1`` and ``grpc.reflection.v1alpha``.
+
+    Clients such as grpcurl ask v1 first and fall back to v1alpha. One
+    servicer (grpcio-reflection's) answers both: the two protocols' messages
+    are the same on the wire, so v1 is the v1alpha handler registered under
+    the v1 service name. Both reflection services are listed.
+    """
+    _add_reflection_v1_descriptor()
+    names = list(
+        dict.fromkeys([*service_names, REFLECTION_V1_SERVICE_NAME, REFLECTION_V1ALPHA_SERVICE_NAME])
+    )
+    servicer = reflection.aio.ReflectionServicer(names)
+    reflection_pb2_grpc.add_ServerReflectionServicer_to_server(servicer, server)
+    v1 = grpc.method_handlers_generic_handler(
+        REFLECTION_V1_SERVICE_NAME,
+        {
+            "ServerReflectionInfo": grpc.stream_stream_rpc_method_handler(
+                servicer.ServerReflectionInfo,
+                request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
+                response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
+            )
+        },
+    )
+    server.add_generic_rpc_handlers((v1,))
+
+
 async def build_server(
     config: ServerConfig, register: Callable[[grpc.aio.Server], None]
 ) -> tuple[grpc.aio.Server, str, HealthServicer]:
@@ -512,10 +612,7 @@ async def build_server(
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
 
-    reflection_names = dict.fromkeys(
-        [*config.reflection_service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
-    )
-    reflection.enable_server_reflection(list(reflection_names), server)
+    enable_reflection([*config.reflection_service_names, health.SERVICE_NAME], server)
 
     # Bind.
     if parsed.uds_path is not None:
@@ -725,12 +822,15 @@ __all__ = [
     "BearerTokenInterceptor",
     "HealthServicer",
     "MalformedRequestInterceptor",
+    "REFLECTION_V1ALPHA_SERVICE_NAME",
+    "REFLECTION_V1_SERVICE_NAME",
     "ServerConfig",
     "TlsFiles",
     "bearer_token_matches",
     "build_server",
     "client_options",
     "client_target",
+    "enable_reflection",
     "fast_reconnect_options",
     "run_server",
     "serve",

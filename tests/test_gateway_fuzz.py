@@ -430,6 +430,12 @@ def invalid_fields(request: object, known: tuple[str, ...]) -> set[str]:
             bad.add("sampling_params.top_k")
         if sp.HasField("seed") and sp.seed >= 2**63:
             bad.add("sampling_params.seed")
+        # the fake-engine deployment's maximum is 300 s
+        if _bad_float(sp.max_audio_seconds, 0.0, 300.0):
+            bad.add("sampling_params.max_audio_seconds")
+    # the tts deployment takes no instructions (blank ones are none)
+    if request.instructions.strip() or len(request.instructions) > MAX_TEXT_CHARS:
+        bad.add("instructions")
     if isinstance(request, gateway_pb2.SpeakRequest):
         if request.sample_rate_hz not in (0, NATIVE_RATE):
             bad.add("sample_rate_hz")
@@ -440,7 +446,8 @@ def invalid_fields(request: object, known: tuple[str, ...]) -> set[str]:
         try:
             if len(modalities) > 64:
                 raise ValueError
-            OutputModality.from_string(modalities or "audio")
+            if OutputModality.from_string(modalities or "audio") != OutputModality.AUDIO:
+                bad.add("output_modalities")  # the tts deployment produces audio only
         except ValueError:
             bad.add("output_modalities")
         if request.output_kind not in (0, 1, 2, 3):

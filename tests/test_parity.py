@@ -46,7 +46,7 @@ PROMPTS = [
 ]
 FRAMES = 12  # talker frames per Speak request
 THINKER_TOKENS = 10  # thinker tokens per Generate request
-TALKER_DEFAULT_FRAMES = 64  # the talker's default cap on the omni path
+TALKER_DEFAULT_FRAMES = 64  # the talker's cap on the omni path: max_audio_seconds 5.12 at 12.5 frames/s
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +137,8 @@ def _generate(target: str, text: str, voice: str) -> tuple[list[int], np.ndarray
         stub = gateway_pb2_grpc.OmniGatewayServiceStub(ch)
         req = gateway_pb2.OmniGatewayServiceGenerateRequest(
             prompt=text, voice=voice, output_modalities="text+audio", output_kind=gateway_pb2.OUTPUT_KIND_FINAL_ONLY,
-            sampling_params=common_pb2.SamplingParams(temperature=0, max_tokens=THINKER_TOKENS))
+            sampling_params=common_pb2.SamplingParams(temperature=0, max_tokens=THINKER_TOKENS,
+                                                      max_audio_seconds=TALKER_DEFAULT_FRAMES / 12.5))
         final = [r.output for r in stub.Generate(req, timeout=300)][-1]
     assert final.finished
     audio = [np.frombuffer(t.tensor.inline_data, dtype="<f4") for t in final.multimodal.tensors if t.name == "audio"]

@@ -79,7 +79,7 @@ async def check_serving_and_reflection(bound: str) -> None:
         want = health_pb2.HealthCheckResponse.SERVING
         assert got == want, f"{service=}: {got=}, {want=}"
     got_names = await reflected_services(bound)
-    want_names = {DECODER, HEALTH, REFLECTION}
+    want_names = {DECODER, HEALTH, REFLECTION, "grpc.reflection.v1.ServerReflection"}
     assert got_names == want_names, f"{got_names=}, {want_names=}"
 
 
@@ -349,6 +349,20 @@ def test_health_driven_by_the_service_and_malformed_requests(tmp_path: Path) -> 
                 with pytest.raises(grpc.aio.AioRpcError) as info:
                     await check(b"\x0a" + b"\x80" * 5000, timeout=5)  # over the receive limit
                 assert info.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+                # A request stream: the good message is answered, the malformed one ends the call.
+                info_call = channel.stream_stream(f"/{REFLECTION}/ServerReflectionInfo")
+                good = reflection_pb2.ServerReflectionRequest(list_services="").SerializeToString()
+                call = info_call(iter([good, b"\x0a\x05\xff\xff\xff\xff\xff"]), timeout=5)
+                answers = []
+                with pytest.raises(grpc.aio.AioRpcError) as info:
+                    async for answer in call:
+                        answers.append(answer)
+                assert len(answers) == 1, answers
+                assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+                assert info.value.details() == (
+                    "request: not a valid ServerReflectionInfo request message: "
+                    "String field had bad UTF-8"
+                ), info.value.details()
             await health.enter_graceful_shutdown()
             await set_health(health, config.health_names, serving=True)  # ignored now
             assert await health_status(bound, "") == not_serving

@@ -232,6 +232,7 @@ class TalkerBackend(VLLMBackend):
         self.end_ids = frozenset({int(checkpoint.config["im_end_token_id"])})
         gen = checkpoint.generation_config
         self.sampling = {
+            "temperature": float(gen.get("talker_temperature", 0.9)),
             "repetition_penalty": float(gen.get("talker_repetition_penalty", 1.05)),
             "top_k": int(gen.get("talker_top_k", 50)),
             "top_p": float(gen.get("talker_top_p", 1.0)),
@@ -247,6 +248,18 @@ class TalkerBackend(VLLMBackend):
         kwargs["enable_prompt_embeds"] = True
         super().__init__(checkpoint.path, role="talker", **kwargs)
         self.stop_token_ids = [self.ids_codec_eos]
+
+    @property
+    def sampling_defaults(self) -> tuple[float, float, int]:
+        """(temperature, top_p, top_k) of the talker: the checkpoint's
+        generation config (``talker_temperature``, ``talker_top_p``,
+        ``talker_top_k``), what SamplingParams.model_defaults selects."""
+        s = self.sampling
+        return float(s["temperature"]), float(s["top_p"]), int(s["top_k"])
+
+    @property
+    def model_name(self) -> str:
+        return self.checkpoint.path.name
 
     def _configure(self, role: str | None) -> None:
         talker = self.checkpoint.talker_config

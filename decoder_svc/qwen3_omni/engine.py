@@ -50,11 +50,12 @@ class ChatPrompts:
         self.max_model_len = max_model_len
         self._lock = threading.Lock()  # fast tokenizers are not re-entrant
 
-    def _user_prompt(self, text: str) -> list[int]:
+    def _user_prompt(self, text: str, instructions: str = "") -> list[int]:
+        messages = [{"role": "user", "content": text}]
+        if instructions:  # Qwen3-Omni style: the instructions are the system turn
+            messages.insert(0, {"role": "system", "content": instructions})
         with self._lock:
-            out = self.tokenizer.apply_chat_template(
-                [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
-            )
+            out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         ids = out if isinstance(out, list) else out["input_ids"]
         return [int(t) for t in ids]
 
@@ -70,7 +71,7 @@ class ChatPrompts:
             )
         if n + max_tokens > self.max_model_len:
             raise InvalidArgumentError(
-                "max_tokens",
+                "sampling_params.max_tokens",
                 f"{max_tokens} plus the prompt's {n} tokens exceeds the model's context of {self.max_model_len}",
             )
 
@@ -86,8 +87,9 @@ class ChatPrompts:
         )
 
     def chat(self, spec: RequestSpec) -> RequestSpec:
-        """The text as the user's message (omni profile)."""
-        prompt = self._user_prompt(spec.prompt)
+        """The text as the user's message (omni profile), after a system turn
+        holding the request's instructions, if any."""
+        prompt = self._user_prompt(spec.prompt, spec.instructions)
         self._check_length(len(prompt), spec.max_tokens, "prompt")
         return dataclasses.replace(spec, prompt_token_ids=prompt)
 
@@ -112,6 +114,7 @@ class NeuralVocoder:
         self.voices = voices
         self.sample_rate = int(getattr(self.model, "sample_rate", 24_000))
         self.num_codebooks = int(self.model.num_quantizers)
+        self.frames_per_second = self.sample_rate / int(self.model.samples_per_frame)
         self.codebook_size = int(checkpoint.code2wav_config["codebook_size"])
 
     def new_stream(self, voice: str) -> _Stream:  # the voice is in the codes already

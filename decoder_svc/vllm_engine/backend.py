@@ -271,6 +271,11 @@ class VLLMBackend:
         self.tokenizer = self._load_tokenizer()
         self._facts = self._compute_facts()
 
+    @property
+    def max_model_len(self) -> int:
+        """The engine's context, in tokens (prompt + generated)."""
+        return int(self._max_model_len)
+
     # -- model-specific parts (overridden for other model families) ----------------
     def _configure(self, role: str | None) -> None:
         """Model facts from the checkpoint: role, sizes, eos, codebooks.

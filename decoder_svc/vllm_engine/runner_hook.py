@@ -742,6 +742,23 @@ def close_engine(engine: LLMEngine) -> None:
             core.scheduler.shutdown()
 
 
+def _ensure_expert_group() -> None:
+    """An in-process MoE engine after a dense one in the same process: vLLM
+    made the process's parallel groups for the dense model without an expert
+    group, and keeps them; the MoE layers then find none. Add the one-rank
+    expert group the MoE model would have got."""
+    import torch.distributed
+    from vllm.distributed import parallel_state as ps
+
+    if not ps.model_parallel_is_initialized() or ps._EP is not None:
+        return
+    world = ps.get_world_group()
+    backend = torch.distributed.get_backend(world.device_group)
+    ps._EP = ps.init_model_parallel_group(
+        [[world.rank]], world.local_rank, backend, group_name="ep"
+    )
+
+
 def make_engine(
     model_dir: str | Path,
     *,
@@ -821,6 +838,8 @@ def make_engine(
         vllm_config.scheduler_config.async_scheduling = True
     world_size = int(vllm_config.parallel_config.world_size)
     restore = _prepare_worker_processes(world_size) if world_size > 1 else {}
+    if world_size == 1 and vllm_config.model_config.is_moe:
+        _ensure_expert_group()
     try:
         engine = LLMEngine(
             vllm_config=vllm_config,

@@ -1,0 +1,544 @@
+"""``POST /v1/chat/completions``: OpenAI's chat completions, text and audio out, on Generate.
+
+The request runs as one `GatewayEngine.generate` call (the gRPC Generate
+path, delta outputs). The decoder takes one prompt string, which the omni
+profile puts in the model's chat template as the user's turn, and style
+instructions, so the conversation maps as:
+
+* the **last** ``user`` message is the prompt;
+* the ``system`` and ``developer`` messages, joined by newlines, are the
+  ``instructions`` (a deployment without instruction support refuses them:
+  400 naming ``messages``);
+* earlier ``user`` and ``assistant`` turns are not given to the model.
+
+Fields, as OpenAI names them (unknown fields are ignored, as OpenAI does;
+a known field of the wrong type is a 400 naming it): ``messages``,
+``model`` (any name: a deployment serves one model; answers carry its id),
+``modalities`` (``["text"]`` default, ``["text", "audio"]``, ``["audio"]``;
+one the deployment cannot produce is a 400 naming ``modalities``),
+``audio`` (``{"voice", "format"}``, required with audio; ``format`` is
+``wav`` or ``pcm16``, and ``pcm16`` when streaming, as OpenAI requires),
+``stream``, ``stream_options.include_usage``, ``max_completion_tokens`` /
+``max_tokens`` (the former wins), ``temperature``, ``top_p``, ``seed``,
+``n`` (1 only). Without ``temperature`` the model's own sampling defaults
+apply (``model_defaults``), so ``seed`` picks one of its random outputs.
+
+Output follows OpenAI: with audio, the text is the audio's ``transcript``
+(``message.audio.transcript``, streamed as ``delta.audio.transcript``) and
+``message.content`` is null; text only, it is ``message.content`` /
+``delta.content``. Streamed audio is base64 PCM16LE mono at the
+deployment's rate (24 kHz, ``X-Sample-Rate``); whole audio is a WAV or raw
+PCM16 in ``message.audio.data``. Audio is not kept for later turns:
+``expires_at`` is the response's ``created`` time. ``finish_reason`` is the
+decoder's (``stop``, ``length``, ``repetition``). ``usage`` counts the
+generated text tokens; the prompt's are not reported (0).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+
+from aiohttp import web
+
+from gateway.audio import AUDIO_KEY, SAMPLE_RATE_KEY, pcm16le, wav_header
+from gateway.decoder_client import DecoderInfo
+from gateway.engine import GatewayEngine
+from gateway.http_facade import (
+    REQUEST_ID_HEADER,
+    SAMPLE_RATE_HEADER,
+    error_response_for,
+    json_field,
+    read_json,
+    sse_event,
+    write_sse_error,
+)
+from gateway.http_models import model_id
+from gateway.http_speech import (
+    MAX_TEMPERATURE,
+    MAX_UINT32,
+    int_field,
+    number_field,
+)
+from gateway.output_processor import OutputKind
+from gateway.outputs import OmniRequestOutput
+from gateway.servicer import CLIENT_ERRORS
+from gateway.validation import (
+    GenerationRequest,
+    Limits,
+    check_request_id,
+    check_seed,
+    check_text,
+    check_unicode,
+    check_voice_shape,
+    json_type_name,
+)
+from omni_common.errors import InvalidArgumentError, quote_value
+from omni_common.modality import OutputModality
+from omni_serving.v1 import common_pb2
+
+logger = logging.getLogger(__name__)
+
+ROLES = ("system", "developer", "user", "assistant")
+INSTRUCTION_ROLES = ("system", "developer")
+MODALITIES = ("text", "audio")
+AUDIO_FORMATS = ("wav", "pcm16")
+STREAM_AUDIO_FORMAT = "pcm16"
+DEFAULT_FINISH_REASON = "stop"
+
+
+@dataclass(frozen=True)
+class ChatCall:
+    """A validated chat completions body."""
+
+    request: GenerationRequest
+    model: str
+    modalities: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    audio_format: str | None
+    """None when no audio is asked for."""
+    params: Mapping[str, str] = field(default_factory=dict)
+    """Engine and decoder field names -> this request's field names."""
+
+    @property
+    def audio(self) -> bool:
+        return self.audio_format is not None
+
+
+def _object(value: object, where: str) -> dict:
+    if not isinstance(value, dict):
+        raise InvalidArgumentError(where, f"must be an object, got {json_type_name(value)}")
+    return value
+
+
+def _message_text(message: object, where: str) -> tuple[str, str]:
+    """(role, text) of one message; text parts are joined by newlines."""
+    message = _object(message, where)
+    role = message.get("role")
+    if not isinstance(role, str):
+        raise InvalidArgumentError(f"{where}.role", f"must be a string, got {json_type_name(role)}")
+    if role not in ROLES:
+        raise InvalidArgumentError(
+            f"{where}.role", f"unsupported role {quote_value(role)}; supported: {', '.join(ROLES)}"
+        )
+    content = message.get("content")
+    if content is None:
+        if role == "assistant":  # an earlier audio reply, or tool calls
+            return role, ""
+        raise InvalidArgumentError(f"{where}.content", "is required")
+    if isinstance(content, str):
+        return role, content
+    if not isinstance(content, list):
+        raise InvalidArgumentError(
+            f"{where}.content",
+            f"must be a string or an array of text parts, got {json_type_name(content)}",
+        )
+    texts = []
+    for j, part in enumerate(content):
+        part_where = f"{where}.content[{j}]"
+        part = _object(part, part_where)
+        kind = part.get("type")
+        if kind != "text":
+            raise InvalidArgumentError(
+                f"{part_where}.type",
+                f"only text parts are supported, got {quote_value(kind)}",
+            )
+        text = part.get("text")
+        if not isinstance(text, str):
+            raise InvalidArgumentError(
+                f"{part_where}.text", f"must be a string, got {json_type_name(text)}"
+            )
+        texts.append(text)
+    return role, "\n".join(texts)
+
+
+def _conversation(body: Mapping[str, object], limits: Limits) -> tuple[str, str, str]:
+    """(prompt, instructions, prompt's field) from ``messages`` (see the module docstring)."""
+    messages = body.get("messages")
+    if messages is None:
+        raise InvalidArgumentError("messages", "is required")
+    if not isinstance(messages, list):
+        raise InvalidArgumentError("messages", f"must be an array, got {json_type_name(messages)}")
+    if not messages:
+        raise InvalidArgumentError("messages", "must not be empty")
+    prompt_at: int | None = None
+    prompt = ""
+    instructions: list[str] = []
+    for i, message in enumerate(messages):
+        role, text = _message_text(message, f"messages[{i}]")
+        if role == "user":
+            prompt_at, prompt = i, text
+        elif role in INSTRUCTION_ROLES and text.strip():
+            instructions.append(text)
+    if prompt_at is None:
+        raise InvalidArgumentError("messages", "must contain a user message")
+    prompt_field = f"messages[{prompt_at}].content"
+    joined = "\n".join(instructions)
+    if joined:
+        if len(joined) > limits.max_text_chars:
+            raise InvalidArgumentError(
+                "messages",
+                f"the system messages have {len(joined)} characters; "
+                f"the limit is {limits.max_text_chars}",
+            )
+        check_unicode(joined, "messages")
+    return check_text(prompt, limits, prompt_field), joined, prompt_field
+
+
+def _modalities(body: Mapping[str, object]) -> tuple[str, ...]:
+    raw = json_field(body, "modalities", (list,), ["text"])
+    assert isinstance(raw, list)
+    if not raw:
+        raise InvalidArgumentError("modalities", "must not be empty")
+    out: list[str] = []
+    for item in raw:
+        if not isinstance(item, str):
+            raise InvalidArgumentError(
+                "modalities", f"must be an array of strings, got a {json_type_name(item)} in it"
+            )
+        if item not in MODALITIES:
+            raise InvalidArgumentError(
+                "modalities",
+                f"unsupported modality {quote_value(item)}; supported: {', '.join(MODALITIES)}",
+            )
+        if item not in out:
+            out.append(item)
+    return tuple(out)
+
+
+def _audio(body: Mapping[str, object], stream: bool) -> tuple[str, str]:
+    """(voice, format) of the ``audio`` object."""
+    audio = body.get("audio")
+    if audio is None:
+        raise InvalidArgumentError("audio", 'is required when "modalities" includes "audio"')
+    audio = _object(audio, "audio")
+    voice = audio.get("voice")
+    if isinstance(voice, dict):  # OpenAI's {"id": "..."} form
+        voice = json_field(voice, "audio.voice.id", (str,), "")
+    if voice is None or voice == "":
+        raise InvalidArgumentError("audio.voice", "is required")
+    if not isinstance(voice, str):
+        raise InvalidArgumentError("audio.voice", f"must be a string, got {json_type_name(voice)}")
+    fmt = json_field(audio, "audio.format", (str,), None)
+    if fmt is None:
+        raise InvalidArgumentError(
+            "audio.format", f"is required; supported: {', '.join(AUDIO_FORMATS)}"
+        )
+    if fmt not in AUDIO_FORMATS:
+        raise InvalidArgumentError(
+            "audio.format",
+            f"unsupported format {quote_value(fmt)}; supported: {', '.join(AUDIO_FORMATS)}",
+        )
+    if stream and fmt != STREAM_AUDIO_FORMAT:
+        raise InvalidArgumentError(
+            "audio.format", f"streamed audio is {STREAM_AUDIO_FORMAT}; got {quote_value(fmt)}"
+        )
+    return check_voice_shape(voice, "audio.voice"), str(fmt)
+
+
+def _sampling(body: Mapping[str, object]) -> tuple[common_pb2.SamplingParams, str]:
+    """Sampling parameters and the name the client gave its token cap."""
+    sampling = common_pb2.SamplingParams()
+    tokens_field = "max_completion_tokens"
+    max_tokens = int_field(body, "max_completion_tokens", 1, MAX_UINT32)
+    if max_tokens is None:
+        max_tokens = int_field(body, "max_tokens", 1, MAX_UINT32)
+        if max_tokens is not None:
+            tokens_field = "max_tokens"
+    if max_tokens is not None:
+        sampling.max_tokens = max_tokens
+    temperature = number_field(body, "temperature", 0.0, MAX_TEMPERATURE, " (0 = greedy)")
+    if temperature is None:
+        sampling.model_defaults = True
+    else:
+        sampling.temperature = temperature
+    top_p = number_field(body, "top_p", 0.0, 1.0)
+    if top_p is not None:
+        sampling.top_p = top_p
+    seed = json_field(body, "seed", (int,), None)
+    if seed is not None:
+        assert isinstance(seed, int)
+        sampling.seed = check_seed(seed)
+    return sampling, tokens_field
+
+
+def chat_call_from_json(body: object, limits: Limits, request_id: str | None) -> ChatCall:
+    """Validate an OpenAI chat completions body; fields are named as in OpenAI's API."""
+    if not isinstance(body, dict):
+        raise InvalidArgumentError("body", "must be a JSON object")
+    model = json_field(body, "model", (str,), "")
+    if not model:
+        raise InvalidArgumentError("model", "is required")
+    prompt, instructions, prompt_field = _conversation(body, limits)
+    stream = bool(json_field(body, "stream", (bool,), False))
+    options = json_field(body, "stream_options", (dict,), None)
+    include_usage = False
+    if options is not None:
+        if not stream:
+            raise InvalidArgumentError("stream_options", 'is only allowed with "stream": true')
+        assert isinstance(options, dict)
+        include_usage = bool(json_field(options, "stream_options.include_usage", (bool,), False))
+    n = int_field(body, "n", 1, 2**31 - 1)
+    if n is not None and n != 1:
+        raise InvalidArgumentError("n", f"only 1 choice is supported, got {n}")
+    modalities = _modalities(body)
+    voice, audio_format = "", None
+    if "audio" in modalities:
+        voice, audio_format = _audio(body, stream)
+    sampling, tokens_field = _sampling(body)
+    modality = OutputModality(0)
+    for name in modalities:
+        modality |= OutputModality.from_string(name, field="modalities")
+    request = GenerationRequest(
+        request_id=check_request_id(request_id or "", REQUEST_ID_HEADER),
+        prompt=prompt,
+        output_modality=modality,
+        output_kind=OutputKind.DELTA,
+        voice=voice,
+        sampling_params=sampling,
+        instructions=instructions,
+    )
+    return ChatCall(
+        request=request,
+        model=str(model),
+        modalities=modalities,
+        stream=stream,
+        include_usage=include_usage,
+        audio_format=audio_format,
+        params={
+            "prompt": prompt_field,
+            "text": prompt_field,
+            "instructions": "messages",
+            "output_modalities": "modalities",
+            "voice": "audio.voice",
+            "max_tokens": tokens_field,
+        },
+    )
+
+
+@dataclass
+class _Reply:
+    """What a chat request has produced so far."""
+
+    sample_rate_hz: int
+    text: list[str] = field(default_factory=list)
+    audio: list[bytes] = field(default_factory=list)
+    completion_tokens: int = 0
+    finish_reason: str = ""
+
+    def add(self, output: OmniRequestOutput) -> tuple[str, bytes]:
+        """Take one delta output; return its (text, PCM16) parts."""
+        pcm = b""
+        payload = output.multimodal
+        if payload is not None:
+            rate = payload.metadata.get(SAMPLE_RATE_KEY)
+            if isinstance(rate, int) and rate > 0:
+                self.sample_rate_hz = rate
+            samples = payload.tensors.get(AUDIO_KEY)
+            if samples is not None:
+                pcm = pcm16le(samples)
+        self.text.append(output.text)
+        self.audio.append(pcm)
+        self.completion_tokens += len(output.token_ids)
+        if output.finished:
+            self.finish_reason = output.finish_reason or DEFAULT_FINISH_REASON
+        return output.text, pcm
+
+    def usage(self) -> dict[str, int]:
+        return {
+            "prompt_tokens": 0,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.completion_tokens,
+        }
+
+
+class ChatEndpoint:
+    """The handler of ``POST /v1/chat/completions``."""
+
+    def __init__(self, engine: GatewayEngine) -> None:
+        self._engine = engine
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        params: Mapping[str, str] = {}
+        try:
+            body = await read_json(request)
+            call = chat_call_from_json(
+                body, self._engine.limits, request.headers.get(REQUEST_ID_HEADER)
+            )
+            params = call.params
+            info = await self._engine.decoder_info()
+        except CLIENT_ERRORS as exc:
+            return error_response_for(exc, params)
+        reply = _Reply(info.sample_rate_hz)
+        created = int(time.time())
+        async with contextlib.aclosing(self._engine.generate(call.request)) as outputs:
+            try:
+                first = await anext(outputs)
+            except CLIENT_ERRORS as exc:
+                return error_response_for(exc, params)
+            if call.stream:
+                return await self._stream(request, call, info, created, reply, first, outputs)
+            return await self._whole(call, info, created, reply, first, outputs)
+
+    @staticmethod
+    def _headers(call: ChatCall, reply: _Reply) -> dict[str, str]:
+        headers = {REQUEST_ID_HEADER: call.request.request_id}
+        if call.audio:
+            headers[SAMPLE_RATE_HEADER] = str(reply.sample_rate_hz)
+        return headers
+
+    async def _whole(
+        self,
+        call: ChatCall,
+        info: DecoderInfo,
+        created: int,
+        reply: _Reply,
+        first: OmniRequestOutput,
+        rest: AsyncIterator[OmniRequestOutput],
+    ) -> web.Response:
+        reply.add(first)
+        try:
+            async for output in rest:
+                reply.add(output)
+        except CLIENT_ERRORS as exc:
+            return error_response_for(exc, call.params)
+        text = "".join(reply.text)
+        message: dict[str, object] = {
+            "role": "assistant",
+            "content": None if call.audio else text,
+            "refusal": None,
+            "annotations": [],
+        }
+        if call.audio:
+            pcm = b"".join(reply.audio)
+            data = (
+                pcm
+                if call.audio_format == "pcm16"
+                else wav_header(reply.sample_rate_hz, len(pcm)) + pcm
+            )
+            message["audio"] = {
+                "id": _audio_id(call),
+                "data": base64.b64encode(data).decode("ascii"),
+                "expires_at": created,
+                "transcript": text,
+            }
+        body = {
+            "id": _completion_id(call),
+            "object": "chat.completion",
+            "created": created,
+            "model": model_id(info),
+            "choices": [
+                {
+                    "index": 0,
+                    "message": message,
+                    "logprobs": None,
+                    "finish_reason": reply.finish_reason or DEFAULT_FINISH_REASON,
+                }
+            ],
+            "usage": reply.usage(),
+        }
+        return web.json_response(body, headers=self._headers(call, reply))
+
+    async def _stream(
+        self,
+        request: web.Request,
+        call: ChatCall,
+        info: DecoderInfo,
+        created: int,
+        reply: _Reply,
+        first: OmniRequestOutput,
+        rest: AsyncIterator[OmniRequestOutput],
+    ) -> web.StreamResponse:
+        headers = self._headers(call, reply)
+        headers["Content-Type"] = "text/event-stream"
+        headers["Cache-Control"] = "no-cache"
+        response = web.StreamResponse(headers=headers)
+        await response.prepare(request)
+        model = model_id(info)
+
+        def chunk(delta: dict[str, object], finish_reason: str | None = None) -> bytes:
+            out: dict[str, object] = {
+                "id": _completion_id(call),
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": model,
+                "choices": [
+                    {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+                ],
+            }
+            if call.include_usage:
+                out["usage"] = None
+            return sse_event(out)
+
+        opening: dict[str, object] = {"role": "assistant"}
+        if not call.audio:
+            opening["content"] = ""
+        await response.write(chunk(opening))
+        output = first
+        try:
+            while True:
+                text, pcm = reply.add(output)
+                delta: dict[str, object] = {}
+                if call.audio:
+                    audio: dict[str, object] = {}
+                    if pcm:
+                        audio["data"] = base64.b64encode(pcm).decode("ascii")
+                    if text:
+                        audio["transcript"] = text
+                    if audio:
+                        delta["audio"] = {"id": _audio_id(call), **audio}
+                elif text:
+                    delta["content"] = text
+                if delta:
+                    await response.write(chunk(delta))
+                if output.finished:
+                    break
+                output = await anext(rest)
+        except Exception as exc:  # noqa: BLE001  reported as an error event, then the end
+            if isinstance(exc, CLIENT_ERRORS):
+                logger.warning("chat stream %s failed: %s", call.request.request_id, exc)
+            else:
+                logger.error("chat stream %s failed", call.request.request_id, exc_info=exc)
+            await write_sse_error(response, exc, call.params)
+            return response
+        if call.audio:
+            await response.write(chunk({"audio": {"id": _audio_id(call), "expires_at": created}}))
+        await response.write(chunk({}, reply.finish_reason or DEFAULT_FINISH_REASON))
+        if call.include_usage:
+            await response.write(
+                sse_event(
+                    {
+                        "id": _completion_id(call),
+                        "object": "chat.completion.chunk",
+                        "created": created,
+                        "model": model,
+                        "choices": [],
+                        "usage": reply.usage(),
+                    }
+                )
+            )
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+def _completion_id(call: ChatCall) -> str:
+    return f"chatcmpl-{call.request.request_id}"
+
+
+def _audio_id(call: ChatCall) -> str:
+    return f"audio_{call.request.request_id}"
+
+
+__all__ = [
+    "AUDIO_FORMATS",
+    "MODALITIES",
+    "ChatCall",
+    "ChatEndpoint",
+    "chat_call_from_json",
+]

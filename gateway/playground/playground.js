@@ -1,0 +1,568 @@
+// omni-serving playground: streams /v1/audio/speech (raw PCM16LE) into Web Audio
+// while it arrives. Plain script, no build step, same-origin requests only.
+"use strict";
+
+(() => {
+  const DEFAULT_SAMPLE_RATE = 24000;
+  const FALLBACK_MODEL = "omni-serving";
+  const START_LEAD_S = 0.05; // scheduling head room when playback (re)starts
+  const PEAK_BLOCK_S = 0.005; // one waveform column per 5 ms of audio
+
+  // Live figures, read by tests (and handy in the console).
+  const live = {
+    state: "idle", // idle | requesting | streaming | done | stopped | error
+    samplesReceived: 0,
+    bytesReceived: 0,
+    ttfpMs: null,
+    rtf: null,
+    audioSeconds: 0,
+    sampleRate: DEFAULT_SAMPLE_RATE,
+    error: null,
+    models: null, // the /v1/models list, or null when the server has none
+    ready: false, // the model list (or its fallback) is loaded
+    mode: "speech", // speech | chat
+    scheduledSeconds: 0, // audio handed to Web Audio
+    transcript: "", // chat mode: the reply's text
+  };
+  window.playground = live;
+
+  const $ = (id) => document.getElementById(id);
+  const ui = {
+    server: $("server"),
+    mode: $("mode"),
+    text: $("text"),
+    model: $("model"),
+    voiceSelect: $("voice-select"),
+    voiceInput: $("voice-input"),
+    voiceList: $("voice-list"),
+    seed: $("seed"),
+    token: $("token"),
+    speak: $("speak"),
+    stop: $("stop"),
+    state: $("state"),
+    error: $("error"),
+    ttfp: $("ttfp"),
+    rtf: $("rtf"),
+    audioSeconds: $("audio-seconds"),
+    samples: $("samples"),
+    rate: $("rate"),
+    canvas: $("waveform"),
+    chatPanel: $("chat-panel"),
+    transcript: $("transcript"),
+  };
+
+  // ---------------------------------------------------------------- PCM16LE
+  // Network chunks split the byte stream anywhere, odd offsets included: an
+  // odd trailing byte is kept and joined to the next chunk.
+  class Pcm16Decoder {
+    constructor() {
+      this.carry = -1;
+    }
+
+    push(bytes) {
+      let data = bytes;
+      if (this.carry >= 0) {
+        data = new Uint8Array(bytes.length + 1);
+        data[0] = this.carry;
+        data.set(bytes, 1);
+        this.carry = -1;
+      }
+      const n = data.length >> 1;
+      if (data.length & 1) this.carry = data[data.length - 1];
+      const view = new DataView(data.buffer, data.byteOffset, n * 2);
+      const out = new Float32Array(n);
+      for (let i = 0; i < n; i++) out[i] = view.getInt16(2 * i, true) / 32768;
+      return out;
+    }
+
+    get pendingBytes() {
+      return this.carry >= 0 ? 1 : 0;
+    }
+  }
+
+  // ------------------------------------------------------------ Web Audio
+  let audioContext = null;
+
+  function getAudioContext() {
+    if (audioContext === null) {
+      const Ctor = window.AudioContext || window.webkitAudioContext;
+      if (!Ctor) return null;
+      try {
+        audioContext = new Ctor();
+      } catch (err) {
+        console.warn("no audio output:", err);
+        return null;
+      }
+    }
+    if (audioContext.state === "suspended") audioContext.resume().catch(() => {});
+    return audioContext;
+  }
+
+  // Back-to-back AudioBufferSourceNodes, one per decoded chunk.
+  class StreamPlayer {
+    constructor(ctx, sampleRate) {
+      this.ctx = ctx;
+      this.sampleRate = sampleRate;
+      this.nextTime = 0;
+      this.sources = new Set();
+    }
+
+    // Schedules the samples right after the previous ones; returns their seconds.
+    play(samples) {
+      if (!this.ctx || samples.length === 0) return 0;
+      const buffer = this.ctx.createBuffer(1, samples.length, this.sampleRate);
+      buffer.copyToChannel(samples, 0);
+      const source = this.ctx.createBufferSource();
+      source.buffer = buffer;
+      source.connect(this.ctx.destination);
+      const now = this.ctx.currentTime;
+      // First chunk, or the stream fell behind playback: restart with head room.
+      if (this.nextTime < now) this.nextTime = now + START_LEAD_S;
+      source.start(this.nextTime);
+      this.nextTime += buffer.duration;
+      this.sources.add(source);
+      source.onended = () => this.sources.delete(source);
+      return buffer.duration;
+    }
+
+    stop() {
+      for (const source of this.sources) {
+        try {
+          source.stop();
+        } catch (_) {
+          // already stopped
+        }
+      }
+      this.sources.clear();
+    }
+  }
+
+  // ------------------------------------------------------------- waveform
+  class Waveform {
+    constructor(canvas) {
+      this.canvas = canvas;
+      this.reset(DEFAULT_SAMPLE_RATE);
+    }
+
+    reset(sampleRate) {
+      this.block = Math.max(1, Math.round(sampleRate * PEAK_BLOCK_S));
+      this.mins = [];
+      this.maxs = [];
+      this.curMin = 1;
+      this.curMax = -1;
+      this.curCount = 0;
+      this.pending = false;
+      this.draw();
+    }
+
+    push(samples) {
+      for (let i = 0; i < samples.length; i++) {
+        const v = samples[i];
+        if (v < this.curMin) this.curMin = v;
+        if (v > this.curMax) this.curMax = v;
+        if (++this.curCount === this.block) this.flushBlock();
+      }
+      this.schedule();
+    }
+
+    finish() {
+      if (this.curCount > 0) this.flushBlock();
+      this.draw();
+    }
+
+    flushBlock() {
+      this.mins.push(this.curMin);
+      this.maxs.push(this.curMax);
+      this.curMin = 1;
+      this.curMax = -1;
+      this.curCount = 0;
+    }
+
+    schedule() {
+      if (this.pending) return;
+      this.pending = true;
+      requestAnimationFrame(() => {
+        this.pending = false;
+        this.draw();
+      });
+    }
+
+    draw() {
+      const canvas = this.canvas;
+      const ratio = window.devicePixelRatio || 1;
+      const width = Math.max(1, Math.round(canvas.clientWidth * ratio)) || canvas.width;
+      const height = Math.max(1, Math.round(canvas.clientHeight * ratio)) || canvas.height;
+      if (canvas.width !== width) canvas.width = width;
+      if (canvas.height !== height) canvas.height = height;
+      const g = canvas.getContext("2d");
+      g.clearRect(0, 0, width, height);
+      const mid = height / 2;
+      g.fillStyle = "#d0d5dd";
+      g.fillRect(0, Math.floor(mid), width, Math.max(1, Math.round(ratio)));
+      const n = this.mins.length;
+      if (n === 0) return;
+      g.fillStyle = getComputedStyle(document.documentElement).getPropertyValue("--wave") || "#2f6fed";
+      const columns = Math.min(width, n);
+      const perColumn = n / columns;
+      const columnWidth = width / columns;
+      for (let c = 0; c < columns; c++) {
+        const from = Math.floor(c * perColumn);
+        const to = Math.max(from + 1, Math.floor((c + 1) * perColumn));
+        let lo = 1;
+        let hi = -1;
+        for (let i = from; i < to; i++) {
+          if (this.mins[i] < lo) lo = this.mins[i];
+          if (this.maxs[i] > hi) hi = this.maxs[i];
+        }
+        const top = mid - hi * mid * 0.95;
+        const bottom = mid - lo * mid * 0.95;
+        g.fillRect(c * columnWidth, top, Math.max(1, columnWidth), Math.max(1, bottom - top));
+      }
+    }
+  }
+
+  const waveform = new Waveform(ui.canvas);
+  live.Pcm16Decoder = Pcm16Decoder; // exposed for tests of the byte-boundary handling
+
+  // ------------------------------------------------------------- display
+  function setState(state) {
+    live.state = state;
+    ui.state.textContent = state;
+    ui.state.dataset.state = state;
+    const busy = state === "requesting" || state === "streaming";
+    ui.speak.disabled = busy;
+    ui.stop.disabled = !busy;
+  }
+
+  function showError(message) {
+    live.error = message;
+    ui.error.textContent = message;
+    ui.error.hidden = false;
+  }
+
+  function clearError() {
+    live.error = null;
+    ui.error.textContent = "";
+    ui.error.hidden = true;
+  }
+
+  function showFigures() {
+    ui.ttfp.textContent = live.ttfpMs === null ? "–" : `${Math.round(live.ttfpMs)} ms`;
+    ui.rtf.textContent = live.rtf === null ? "–" : live.rtf.toFixed(3);
+    ui.audioSeconds.textContent = live.samplesReceived ? `${live.audioSeconds.toFixed(2)} s` : "–";
+    ui.samples.textContent = String(live.samplesReceived);
+    ui.rate.textContent = `${live.sampleRate} Hz`;
+  }
+
+  // An OpenAI-shaped error body, {"error": {"message", "type", "param", "code"}}, as text.
+  async function errorText(response) {
+    const raw = await response.text();
+    let detail = raw.slice(0, 500) || response.statusText;
+    try {
+      const err = JSON.parse(raw).error;
+      if (err && typeof err.message === "string") {
+        const tags = [err.type, err.code, err.param && `param: ${err.param}`].filter(Boolean);
+        detail = tags.length ? `${err.message}\n(${tags.join(", ")})` : err.message;
+      }
+    } catch (_) {
+      // not JSON: show the text as it is
+    }
+    return `HTTP ${response.status}: ${detail}`;
+  }
+
+  function authHeaders() {
+    const token = ui.token.value.trim();
+    return token ? { Authorization: `Bearer ${token}` } : {};
+  }
+
+  // --------------------------------------------------------------- models
+  function useVoiceText(voices) {
+    ui.voiceSelect.hidden = true;
+    ui.voiceInput.hidden = false;
+    ui.voiceList.replaceChildren(...voices.map((v) => new Option(v, v)));
+  }
+
+  function showModelVoices() {
+    const model = (live.models || []).find((m) => m.id === ui.model.value);
+    const voices = model && Array.isArray(model.voices) ? model.voices : [];
+    if (model && Number.isInteger(model.sample_rate_hz)) live.sampleRate = model.sample_rate_hz;
+    // Chat needs a model that writes text too.
+    const chat = ui.mode.querySelector('option[value="chat"]');
+    chat.disabled = Boolean(model && Array.isArray(model.modalities) && !model.modalities.includes("text"));
+    chat.title = chat.disabled ? "this model produces no text" : "";
+    if (chat.disabled && ui.mode.value === "chat") {
+      ui.mode.value = "speech";
+      showMode();
+    }
+    if (voices.length === 0) {
+      useVoiceText([]);
+      return;
+    }
+    const keep = ui.voiceSelect.value;
+    ui.voiceSelect.replaceChildren(...voices.map((v) => new Option(v, v)));
+    if (voices.includes(keep)) ui.voiceSelect.value = keep;
+    ui.voiceSelect.hidden = false;
+    ui.voiceInput.hidden = true;
+    showFigures();
+  }
+
+  // GET /v1/models; without it (404, older gateway), a free voice field
+  // suggesting the voices /health reports, and the default sample rate.
+  async function loadModels() {
+    try {
+      await fetchModels();
+    } finally {
+      live.ready = true;
+    }
+  }
+
+  async function fetchModels() {
+    let response;
+    try {
+      response = await fetch("/v1/models", { headers: authHeaders() });
+    } catch (err) {
+      ui.server.textContent = `server unreachable: ${err.message}`;
+      return;
+    }
+    if (response.ok) {
+      const body = await response.json();
+      const models = (Array.isArray(body.data) ? body.data : []).filter(
+        (m) => !Array.isArray(m.modalities) || m.modalities.includes("audio"),
+      );
+      if (models.length > 0) {
+        live.models = models;
+        const keep = ui.model.value;
+        ui.model.replaceChildren(...models.map((m) => new Option(m.id, m.id)));
+        if (models.some((m) => m.id === keep)) ui.model.value = keep;
+        ui.model.disabled = models.length < 2;
+        ui.server.textContent = `${models.length} model${models.length > 1 ? "s" : ""}`;
+        showModelVoices();
+        return;
+      }
+    }
+    live.models = null;
+    ui.model.replaceChildren(new Option(FALLBACK_MODEL, FALLBACK_MODEL));
+    ui.model.disabled = true;
+    live.sampleRate = DEFAULT_SAMPLE_RATE;
+    if (response.status === 401) {
+      ui.server.textContent = "this server needs a token";
+    } else {
+      ui.server.textContent = response.ok ? "no speech model listed" : "no model list";
+    }
+    let voices = [];
+    try {
+      const health = await fetch("/health");
+      const body = await health.json();
+      if (Array.isArray(body.voices)) voices = body.voices;
+      if (!response.ok && response.status !== 401) {
+        ui.server.textContent = `server ${body.status || health.status}`;
+      }
+    } catch (_) {
+      // voices stay free text
+    }
+    useVoiceText(voices);
+    showFigures();
+  }
+
+  function currentVoice() {
+    return (ui.voiceSelect.hidden ? ui.voiceInput.value : ui.voiceSelect.value).trim();
+  }
+
+  // ---------------------------------------------------------------- speak
+  let controller = null;
+  let player = null;
+
+  // JSON text of the request; a filled seed is spliced in as digits (a JS
+  // number would round seeds above 2**53).
+  function withSeed(body) {
+    const json = JSON.stringify(body);
+    const seed = ui.seed.value.trim();
+    if (!seed) return json;
+    if (!/^[0-9]{1,19}$/.test(seed)) throw new Error("seed: must be a non-negative integer");
+    return `${json.slice(0, -1)},"seed":${seed.replace(/^0+(?=.)/, "")}}`;
+  }
+
+  function speechRequest() {
+    const body = {
+      model: ui.model.value || FALLBACK_MODEL,
+      input: ui.text.value,
+      response_format: "pcm",
+      stream: true,
+    };
+    const voice = currentVoice();
+    if (voice) body.voice = voice;
+    return { url: "/v1/audio/speech", body: withSeed(body) };
+  }
+
+  function chatRequest() {
+    const body = {
+      model: ui.model.value || FALLBACK_MODEL,
+      messages: [{ role: "user", content: ui.text.value }],
+      modalities: ["text", "audio"],
+      audio: { format: "pcm16" },
+      stream: true,
+    };
+    const voice = currentVoice();
+    if (voice) body.audio.voice = voice;
+    return { url: "/v1/chat/completions", body: withSeed(body) };
+  }
+
+  // Raw PCM16LE body: every network chunk is audio.
+  async function readPcm(response, onAudio) {
+    const reader = response.body.getReader();
+    for (;;) {
+      const { done, value } = await reader.read();
+      if (done) return;
+      if (value && value.length) onAudio(value);
+    }
+  }
+
+  function base64Bytes(text) {
+    const raw = atob(text);
+    const bytes = new Uint8Array(raw.length);
+    for (let i = 0; i < raw.length; i++) bytes[i] = raw.charCodeAt(i);
+    return bytes;
+  }
+
+  // Server-sent chat.completion.chunk events: text deltas and base64 PCM16 audio.
+  async function readChatEvents(response, onAudio, onText) {
+    const reader = response.body.pipeThrough(new TextDecoderStream()).getReader();
+    let buffered = "";
+    for (;;) {
+      const { done, value } = await reader.read();
+      if (done) throw new Error("the event stream ended without [DONE]");
+      buffered += value.replace(/\r\n?/g, "\n");
+      let end;
+      while ((end = buffered.indexOf("\n\n")) >= 0) {
+        const event = buffered.slice(0, end);
+        buffered = buffered.slice(end + 2);
+        const data = event
+          .split("\n")
+          .filter((line) => line.startsWith("data:"))
+          .map((line) => line.slice(5).trimStart())
+          .join("\n");
+        if (!data) continue;
+        if (data === "[DONE]") return;
+        const chunk = JSON.parse(data);
+        if (chunk.error) {
+          const err = chunk.error;
+          throw new Error(`${err.message}${err.code ? ` (${err.code})` : ""}`);
+        }
+        const delta = (chunk.choices && chunk.choices[0] && chunk.choices[0].delta) || {};
+        if (typeof delta.content === "string") onText(delta.content);
+        if (delta.audio) {
+          if (typeof delta.audio.transcript === "string") onText(delta.audio.transcript);
+          if (delta.audio.data) onAudio(base64Bytes(delta.audio.data));
+        }
+      }
+    }
+  }
+
+  async function speak() {
+    if (controller) return;
+    clearError();
+    const chat = ui.mode.value === "chat";
+    let request;
+    try {
+      request = chat ? chatRequest() : speechRequest();
+    } catch (err) {
+      showError(err.message);
+      setState("error");
+      return;
+    }
+    Object.assign(live, {
+      mode: chat ? "chat" : "speech",
+      samplesReceived: 0,
+      bytesReceived: 0,
+      ttfpMs: null,
+      rtf: null,
+      audioSeconds: 0,
+      scheduledSeconds: 0,
+      transcript: "",
+    });
+    ui.transcript.textContent = "";
+    const started = performance.now();
+    const ctx = getAudioContext(); // inside the click: allowed to start audio
+    controller = new AbortController();
+    setState("requesting");
+    showFigures();
+    waveform.reset(live.sampleRate);
+    const decoder = new Pcm16Decoder();
+    const onAudio = (bytes) => {
+      const now = performance.now();
+      if (live.ttfpMs === null) live.ttfpMs = now - started;
+      live.bytesReceived += bytes.length;
+      const samples = decoder.push(bytes);
+      live.samplesReceived += samples.length;
+      live.audioSeconds = live.samplesReceived / live.sampleRate;
+      if (live.audioSeconds > 0) live.rtf = (now - started) / 1000 / live.audioSeconds;
+      live.scheduledSeconds += player.play(samples);
+      waveform.push(samples);
+      showFigures();
+    };
+    const onText = (text) => {
+      live.transcript += text;
+      ui.transcript.textContent = live.transcript;
+    };
+    try {
+      const response = await fetch(request.url, {
+        method: "POST",
+        headers: { "Content-Type": "application/json", ...authHeaders() },
+        body: request.body,
+        signal: controller.signal,
+      });
+      if (!response.ok) {
+        showError(await errorText(response));
+        setState("error");
+        return;
+      }
+      const rate = Number.parseInt(response.headers.get("X-Sample-Rate") || "", 10);
+      live.sampleRate = Number.isInteger(rate) && rate > 0 ? rate : live.sampleRate;
+      waveform.reset(live.sampleRate);
+      player = new StreamPlayer(ctx, live.sampleRate);
+      setState("streaming");
+      if (chat) await readChatEvents(response, onAudio, onText);
+      else await readPcm(response, onAudio);
+      waveform.finish();
+      if (decoder.pendingBytes) showError("the stream ended in the middle of a sample (odd byte count)");
+      setState("done");
+    } catch (err) {
+      waveform.finish();
+      if (err.name === "AbortError") {
+        setState("stopped");
+      } else {
+        // Once audio has started, the server signals a failure by cutting the stream.
+        const where = live.samplesReceived ? ` after ${live.samplesReceived} samples` : "";
+        showError(`stream failed${where}: ${err.message}`);
+        setState("error");
+      }
+    } finally {
+      controller = null;
+      showFigures();
+    }
+  }
+
+  function stop() {
+    if (controller) controller.abort();
+    if (player) player.stop();
+  }
+
+  function showMode() {
+    ui.chatPanel.hidden = ui.mode.value !== "chat";
+  }
+
+  ui.speak.addEventListener("click", speak);
+  ui.stop.addEventListener("click", stop);
+  ui.mode.addEventListener("change", showMode);
+  ui.model.addEventListener("change", showModelVoices);
+  ui.token.addEventListener("change", loadModels);
+  ui.text.addEventListener("keydown", (event) => {
+    if (event.key === "Enter" && (event.ctrlKey || event.metaKey)) speak();
+  });
+  window.addEventListener("resize", () => waveform.draw());
+
+  setState("idle");
+  showMode();
+  showFigures();
+  loadModels();
+})();

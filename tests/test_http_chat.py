@@ -1,0 +1,468 @@
+"""``POST /v1/chat/completions`` through the official `openai` client.
+
+The text and audio of a chat completion must equal, byte for byte, what
+gRPC ``Generate`` returns for the same prompt, seed and sampling settings:
+on the three real services with the fake engine's omni profile (thinker ->
+talker -> code2wav), and (``vllm``) on the tiny Qwen3-Omni checkpoint.
+Field validation runs against `FakeDecoder`, a test double.
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import io
+import json
+import wave
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+import openai
+import pytest
+from fakes import FakeDecoder, FakeDecoderConfig, GatewayThread
+
+from gateway.audio import pcm16le
+from omni_cli.launcher import Stack, StackConfig
+from omni_common.tensor_wire import decode_inline
+from omni_serving.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+
+CHAT = "/v1/chat/completions"
+PROMPT = "Tell me about the weather today"
+
+
+@dataclass
+class Generated:
+    text: str
+    tokens: int
+    pcm: bytes
+    finish_reason: str
+
+
+def grpc_generate(
+    target: str,
+    prompt: str,
+    modalities: str,
+    seed: int,
+    *,
+    max_tokens: int = 0,
+    instructions: str = "",
+    voice: str = "",
+) -> Generated:
+    """What gRPC Generate returns, as the chat endpoint asks for it (delta outputs,
+    the model's sampling defaults)."""
+    request = gateway_pb2.OmniGatewayServiceGenerateRequest(
+        prompt=prompt,
+        output_modalities=modalities,
+        output_kind=gateway_pb2.OUTPUT_KIND_DELTA,
+        voice=voice,
+        instructions=instructions,
+        sampling_params=common_pb2.SamplingParams(
+            seed=seed, max_tokens=max_tokens, model_defaults=True
+        ),
+    )
+    text, tokens, pcm, finish = [], 0, [], ""
+    with grpc.insecure_channel(target) as channel:
+        stub = gateway_pb2_grpc.OmniGatewayServiceStub(channel)
+        for response in stub.Generate(request, timeout=300):
+            output = response.output
+            text.append(output.text.text)
+            tokens += len(output.text.token_ids)
+            for named in output.multimodal.tensors:
+                if named.name == "audio":
+                    pcm.append(pcm16le(decode_inline(named.tensor)))
+            if output.finished:
+                finish = output.finish_reason
+    return Generated("".join(text), tokens, b"".join(pcm), finish)
+
+
+def sdk(port: int) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", max_retries=0)
+
+
+def chat_stream(port: int, **kwargs) -> tuple[Generated, list]:
+    """Stream a completion with the SDK; (what it carried, every chunk)."""
+    chunks = list(sdk(port).chat.completions.create(stream=True, **kwargs))
+    text, pcm, finish = [], [], ""
+    for chunk in chunks:
+        if not chunk.choices:
+            continue
+        choice = chunk.choices[0]
+        delta = choice.delta
+        if delta.content:
+            text.append(delta.content)
+        if delta.audio is not None:
+            audio = delta.audio
+            text.append(audio.transcript or "")
+            if audio.data:
+                pcm.append(base64.b64decode(audio.data))
+        if choice.finish_reason:
+            finish = choice.finish_reason
+    usage = chunks[-1].usage
+    tokens = usage.completion_tokens if usage is not None else -1
+    return Generated("".join(text), tokens, b"".join(pcm), finish), chunks
+
+
+def post(port: int, body: object) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    try:
+        raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+        conn.request("POST", CHAT, body=raw, headers={"Content-Type": "application/json"})
+        response = conn.getresponse()
+        return response.status, response.read()
+    finally:
+        conn.close()
+
+
+def start_stack(tmp_path_factory, profile: str, **config) -> Stack:
+    stack = Stack(
+        StackConfig(
+            profile=profile,
+            runtime_dir=str(tmp_path_factory.mktemp("rt")),
+            port=0,
+            http_port=0,
+            log_level="WARNING",
+            **config,
+        )
+    )
+    stack.start(timeout_s=config.get("startup_timeout", 300))
+    return stack
+
+
+@pytest.fixture(scope="module")
+def omni(tmp_path_factory) -> Iterator[Stack]:
+    stack = start_stack(tmp_path_factory, "omni", engine="fake")
+    yield stack
+    assert stack.stop() == []
+
+
+def check_stream_equals_grpc(stack: Stack, seed: int, max_tokens: int | None = None) -> None:
+    extra = {} if max_tokens is None else {"max_completion_tokens": max_tokens}
+    (card,) = sdk(stack.cfg.http_port).models.list().data
+    voice = (card.model_extra or {})["voices"][-1]
+    got, chunks = chat_stream(
+        stack.cfg.http_port,
+        model="omni",
+        messages=[{"role": "user", "content": PROMPT}],
+        modalities=["text", "audio"],
+        audio={"voice": voice, "format": "pcm16"},
+        seed=seed,
+        stream_options={"include_usage": True},
+        **extra,
+    )
+    want = grpc_generate(
+        stack.gateway_target, PROMPT, "text+audio", seed, max_tokens=max_tokens or 0, voice=voice
+    )
+    assert want.text and want.pcm, "gRPC Generate produced no text or no audio"
+    assert got.text == want.text
+    assert len(got.pcm) == len(want.pcm) and got.pcm == want.pcm
+    assert got.finish_reason == want.finish_reason
+    assert got.tokens == want.tokens
+    # OpenAI's shape: role first, then audio deltas with one id, the expiry
+    # in the last audio update, the finish chunk, the usage chunk.
+    assert chunks[0].choices[0].delta.role == "assistant"
+    ids = {c.choices[0].delta.audio.id for c in chunks if c.choices and c.choices[0].delta.audio}
+    assert len(ids) == 1
+    last_audio = [c for c in chunks if c.choices and c.choices[0].delta.audio][-1]
+    assert last_audio.choices[0].delta.audio.expires_at is not None
+    assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    assert all(c.choices[0].delta.content is None for c in chunks[1:] if c.choices)
+
+
+@pytest.mark.e2e
+def test_sdk_stream_text_and_audio_equal_grpc_generate(omni: Stack) -> None:
+    check_stream_equals_grpc(omni, seed=7)
+    check_stream_equals_grpc(omni, seed=8)
+
+
+@pytest.mark.e2e
+def test_sdk_whole_wav_equals_grpc_generate(omni: Stack) -> None:
+    completion = sdk(omni.cfg.http_port).chat.completions.create(
+        model="omni",
+        messages=[
+            {"role": "assistant", "content": "Hello, how can I help?"},
+            {"role": "user", "content": [{"type": "text", "text": PROMPT}]},
+        ],
+        modalities=["text", "audio"],
+        audio={"voice": "alloy", "format": "wav"},
+        seed=3,
+    )
+    want = grpc_generate(omni.gateway_target, PROMPT, "text+audio", 3, voice="alloy")
+    message = completion.choices[0].message
+    assert message.content is None
+    assert message.audio.transcript == want.text
+    with wave.open(io.BytesIO(base64.b64decode(message.audio.data))) as w:
+        assert (w.getnchannels(), w.getsampwidth(), w.getframerate()) == (1, 2, 24000)
+        assert w.readframes(w.getnframes()) == want.pcm
+    assert completion.choices[0].finish_reason == want.finish_reason
+    assert completion.usage.completion_tokens == want.tokens
+    assert completion.object == "chat.completion"
+
+
+@pytest.mark.e2e
+def test_text_only_and_token_cap(omni: Stack) -> None:
+    client = sdk(omni.cfg.http_port)
+    completion = client.chat.completions.create(
+        model="omni", messages=[{"role": "user", "content": PROMPT}], seed=5
+    )
+    want = grpc_generate(omni.gateway_target, PROMPT, "text", 5)
+    assert completion.choices[0].message.content == want.text
+    assert completion.choices[0].message.audio is None
+    assert completion.choices[0].finish_reason == "stop" == want.finish_reason
+    capped = client.chat.completions.create(
+        model="omni", messages=[{"role": "user", "content": PROMPT}], seed=5, max_tokens=3
+    )
+    assert capped.choices[0].message.content == want.text[:3]
+    assert capped.choices[0].finish_reason == "length"
+    assert capped.usage.completion_tokens == 3
+    streamed, _ = chat_stream(
+        omni.cfg.http_port,
+        model="omni",
+        messages=[{"role": "user", "content": PROMPT}],
+        seed=5,
+        max_completion_tokens=3,
+    )
+    assert (streamed.text, streamed.finish_reason) == (want.text[:3], "length")
+
+
+@pytest.mark.e2e
+def test_system_message_is_the_instructions(omni: Stack) -> None:
+    style = "Answer cheerfully."
+    got, _ = chat_stream(
+        omni.cfg.http_port,
+        model="omni",
+        messages=[
+            {"role": "system", "content": style},
+            {"role": "user", "content": PROMPT},
+        ],
+        modalities=["text", "audio"],
+        audio={"voice": "alloy", "format": "pcm16"},
+        seed=2,
+    )
+    want = grpc_generate(
+        omni.gateway_target, PROMPT, "text+audio", 2, instructions=style, voice="alloy"
+    )
+    assert (got.text, got.pcm, got.finish_reason) == (want.text, want.pcm, want.finish_reason)
+
+
+@pytest.mark.e2e
+def test_models_card_of_the_omni_profile(omni: Stack) -> None:
+    (card,) = sdk(omni.cfg.http_port).models.list().data
+    extra = card.model_extra or {}
+    assert extra["profile"] == "omni"
+    assert extra["modalities"] == ["text", "audio"]
+    assert extra["supports_instructions"] is True
+    assert extra["limits"]["max_text_tokens"] > 0 and extra["limits"]["max_audio_seconds"] > 0
+
+
+@pytest.mark.e2e
+def test_modalities_the_deployment_cannot_produce_are_400(tmp_path_factory) -> None:
+    stack = start_stack(tmp_path_factory, "tts", engine="fake")
+    try:
+        with pytest.raises(openai.BadRequestError) as info:
+            sdk(stack.cfg.http_port).chat.completions.create(
+                model="tts",
+                messages=[{"role": "user", "content": "hello"}],
+                modalities=["text", "audio"],
+                audio={"voice": "alloy", "format": "wav"},
+            )
+        error = info.value.response.json()["error"]
+        assert error["param"] == "modalities", error
+        # Audio alone it can produce: the spoken text, no transcript.
+        completion = sdk(stack.cfg.http_port).chat.completions.create(
+            model="tts",
+            messages=[{"role": "user", "content": "hello"}],
+            modalities=["audio"],
+            audio={"voice": "alloy", "format": "pcm16"},
+            seed=1,
+        )
+        want = grpc_generate(stack.gateway_target, "hello", "audio", 1, voice="alloy")
+        assert base64.b64decode(completion.choices[0].message.audio.data) == want.pcm
+    finally:
+        assert stack.stop() == []
+
+
+# --- validation, against the FakeDecoder test double ------------------------------
+
+
+@pytest.fixture
+def gateway(sock_dir: Path) -> Iterator[tuple[GatewayThread, FakeDecoder]]:
+    with (
+        FakeDecoder(sock_dir / "decoder.sock", FakeDecoderConfig(num_chunks=3)) as fake,
+        GatewayThread(
+            fake.target, sock_dir, http_host="127.0.0.1", http_port=0, max_text_chars=100
+        ) as gw,
+    ):
+        yield gw, fake
+
+
+USER = [{"role": "user", "content": "hi"}]
+AUDIO = {"modalities": ["text", "audio"], "audio": {"voice": "alice", "format": "pcm16"}}
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        ({"messages": USER}, "model"),
+        ({"model": "m"}, "messages"),
+        ({"model": "m", "messages": "hi"}, "messages"),
+        ({"model": "m", "messages": []}, "messages"),
+        ({"model": "m", "messages": [{"role": "system", "content": "x"}]}, "messages"),
+        ({"model": "m", "messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
+        ({"model": "m", "messages": [{"content": "x"}]}, "messages[0].role"),
+        ({"model": "m", "messages": [{"role": "user"}]}, "messages[0].content"),
+        ({"model": "m", "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        ({"model": "m", "messages": [{"role": "user", "content": ""}]}, "messages[0].content"),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": "x" * 101}]},
+            "messages[0].content",
+        ),
+        (
+            {
+                "model": "m",
+                "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+            },
+            "messages[0].content[0].type",
+        ),
+        (
+            {"model": "m", "messages": [{"role": "user", "content": [{"type": "text"}]}]},
+            "messages[0].content[0].text",
+        ),
+        ({"model": "m", "messages": ["hi"]}, "messages[0]"),
+        ({"model": "m", "messages": USER, "modalities": "text"}, "modalities"),
+        ({"model": "m", "messages": USER, "modalities": []}, "modalities"),
+        ({"model": "m", "messages": USER, "modalities": ["video"]}, "modalities"),
+        ({"model": "m", "messages": USER, "modalities": ["audio"]}, "audio"),
+        ({"model": "m", "messages": USER, **AUDIO, "audio": "alice"}, "audio"),
+        ({"model": "m", "messages": USER, **AUDIO, "audio": {"format": "wav"}}, "audio.voice"),
+        ({"model": "m", "messages": USER, **AUDIO, "audio": {"voice": "alice"}}, "audio.format"),
+        (
+            {"model": "m", "messages": USER, **AUDIO, "audio": {"voice": "x", "format": "mp3"}},
+            "audio.format",
+        ),
+        (
+            {
+                "model": "m",
+                "messages": USER,
+                **AUDIO,
+                "audio": {"voice": "alice", "format": "wav"},
+                "stream": True,
+            },
+            "audio.format",
+        ),
+        (
+            {"model": "m", "messages": USER, **AUDIO, "audio": {"voice": "zed", "format": "wav"}},
+            "audio.voice",
+        ),
+        ({"model": "m", "messages": USER, "stream": "yes"}, "stream"),
+        (
+            {"model": "m", "messages": USER, "stream_options": {"include_usage": True}},
+            "stream_options",
+        ),
+        (
+            {
+                "model": "m",
+                "messages": USER,
+                "stream": True,
+                "stream_options": {"include_usage": 1},
+            },
+            "stream_options.include_usage",
+        ),
+        ({"model": "m", "messages": USER, "max_tokens": 0}, "max_tokens"),
+        ({"model": "m", "messages": USER, "max_completion_tokens": "9"}, "max_completion_tokens"),
+        ({"model": "m", "messages": USER, "temperature": 3}, "temperature"),
+        ({"model": "m", "messages": USER, "top_p": 1.5}, "top_p"),
+        ({"model": "m", "messages": USER, "seed": 2**63}, "seed"),
+        ({"model": "m", "messages": USER, "n": 2}, "n"),
+        (
+            {"model": "m", "messages": [{"role": "system", "content": "be brief"}, *USER]},
+            "messages",
+        ),
+    ],
+    ids=lambda v: json.dumps(v)[:60] if isinstance(v, dict) else v,
+)
+def test_bad_fields_are_400_naming_them(gateway, body: dict, param: str) -> None:
+    gw, _ = gateway
+    status, content = post(gw.http_port, body)
+    assert status == 400, content
+    error = json.loads(content)["error"]
+    assert error["param"] == param and error["type"] == "invalid_request_error", error
+
+
+def test_fields_reach_the_decoder_and_unknown_ones_are_ignored(gateway) -> None:
+    gw, fake = gateway
+    body = {
+        "model": "m",
+        "messages": [
+            {"role": "user", "content": "first question"},
+            {"role": "assistant", "content": None, "audio": {"id": "audio_1"}},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],
+            },
+        ],
+        "modalities": ["audio", "text"],
+        "audio": {"voice": {"id": "bob"}, "format": "wav"},
+        "max_tokens": 9,
+        "max_completion_tokens": 12,
+        "top_p": 0.5,
+        "seed": 4,
+        "user": "someone",
+        "metadata": {"k": "v"},
+        "a_future_field": [1, 2],
+    }
+    status, content = post(gw.http_port, body)
+    assert status == 200, content
+    sent = fake.state.requests[-1]
+    assert sent.prompt == "a\nb" and sent.voice == "bob" and not sent.instructions
+    params = sent.sampling_params
+    assert (params.max_tokens, params.seed, params.model_defaults) == (12, 4, True)
+    assert params.top_p == pytest.approx(0.5)
+    # The fake speaks without text: the WAV holds the decoder's audio, exactly.
+    message = json.loads(content)["choices"][0]["message"]
+    wav = base64.b64decode(message["audio"]["data"])
+    speak = gateway_pb2.SpeakRequest(
+        text="a\nb", voice="bob", sampling_params=common_pb2.SamplingParams(seed=4)
+    )
+    assert wav[44:] == b"".join(c.audio for c in gw.stub.Speak(speak, timeout=10))
+    assert message["audio"]["transcript"] == "" and message["content"] is None
+    temperature = {**body, "temperature": 0.0}
+    assert post(gw.http_port, temperature)[0] == 200
+    params = fake.state.requests[-1].sampling_params
+    assert not params.model_defaults and params.temperature == 0.0
+
+
+def test_mid_stream_failure_raises_in_the_sdk(sock_dir: Path) -> None:
+    config = FakeDecoderConfig(num_chunks=10, fail_after=3)
+    with (
+        FakeDecoder(sock_dir / "d.sock", config) as fake,
+        GatewayThread(fake.target, sock_dir, http_host="127.0.0.1", http_port=0) as gw,
+    ):
+        stream = sdk(gw.http_port).chat.completions.create(
+            model="m",
+            messages=USER,
+            modalities=["audio"],
+            audio={"voice": "alice", "format": "pcm16"},
+            stream=True,
+        )
+        with pytest.raises(openai.APIError):
+            for _ in stream:
+                pass
+
+
+# --- the real model ---------------------------------------------------------------
+
+
+@pytest.mark.vllm
+@pytest.mark.e2e
+def test_vllm_tiny_omni_chat_stream_equals_grpc_generate(tmp_path_factory) -> None:
+    pytest.importorskip("vllm")
+    from decoder_svc.qwen3_omni.tiny import create_tiny_checkpoint
+
+    checkpoint = create_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "qwen3-omni-tiny")
+    stack = start_stack(tmp_path_factory, "omni", engine="vllm", model=str(checkpoint))
+    try:
+        check_stream_equals_grpc(stack, seed=11, max_tokens=6)
+    finally:
+        assert stack.stop() == []

@@ -1,0 +1,467 @@
+"""The playground page at / in a real headless Chromium (selenium + Debian's chromium-driver).
+
+A real stack (materializer + fake-engine decoder + gateway with HTTP) serves
+the page; the browser types text, clicks Speak and streams the audio through
+Web Audio. The test compares what the page received with what
+``/v1/audio/speech`` returns for the same request, checks the TTFP figure in
+the DOM, and saves a screenshot (``$OMNI_TEST_ARTIFACTS`` or pytest's tmp_path).
+
+Without /usr/bin/chromium, /usr/bin/chromedriver or selenium the browser
+tests skip, except under ``CI=true`` where they fail.
+"""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import json
+import os
+import re
+import shutil
+import tempfile
+import tomllib
+from collections.abc import Iterator
+from fnmatch import fnmatch
+from pathlib import Path
+
+import pytest
+from fakes import FakeDecoder, FakeDecoderConfig, GatewayThread
+
+from gateway.http_playground import PLAYGROUND_DIR
+from omni_cli.launcher import Stack, StackConfig
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMEDRIVER = Path("/usr/bin/chromedriver")
+CHROMIUM_FLAGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--autoplay-policy=no-user-gesture-required",
+    "--window-size=1100,900",
+]
+TEXT = "Hello from the playground, streamed while it plays."
+VOICE = "alloy"
+SEED = 7
+TOKEN = "playground-test-token"
+LIVE = (
+    "const p = window.playground; return p && {state: p.state, ready: p.ready,"
+    " samplesReceived: p.samplesReceived, bytesReceived: p.bytesReceived, ttfpMs: p.ttfpMs,"
+    " rtf: p.rtf, sampleRate: p.sampleRate, error: p.error, mode: p.mode,"
+    " scheduledSeconds: p.scheduledSeconds, transcript: p.transcript};"
+)
+
+
+def _browser_missing() -> str | None:
+    missing = [str(p) for p in (CHROMIUM, CHROMEDRIVER) if not p.exists()]
+    if missing:
+        return f"{' and '.join(missing)} not installed (apt-get install chromium chromium-driver)"
+    try:
+        import selenium  # noqa: F401
+    except ImportError:
+        return "selenium is not installed (the dev extra)"
+    return None
+
+
+def _require_browser() -> None:
+    reason = _browser_missing()
+    if reason is None:
+        return
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"CI=true and the playground browser test cannot run: {reason}")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    _require_browser()
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    profile = tempfile.mkdtemp(prefix="omni-chromium-")
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for flag in [*CHROMIUM_FLAGS, f"--user-data-dir={profile}"]:
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(executable_path=str(CHROMEDRIVER)), options=options)
+    driver.set_page_load_timeout(30)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+def _stack(tmp_path_factory, profile: str) -> Iterator[Stack]:
+    _require_browser()  # no services started for a test that will skip
+    runtime = tmp_path_factory.mktemp("rt")
+    s = Stack(
+        StackConfig(
+            profile=profile,
+            engine="fake",
+            runtime_dir=str(runtime),
+            port=0,
+            http_port=0,
+            log_level="WARNING",
+        )
+    )
+    s.start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory) -> Iterator[Stack]:
+    """The speech (tts) profile."""
+    yield from _stack(tmp_path_factory, "tts")
+
+
+@pytest.fixture(scope="module")
+def omni_stack(tmp_path_factory) -> Iterator[Stack]:
+    """The omni profile: text and audio, for the chat mode."""
+    yield from _stack(tmp_path_factory, "omni")
+
+
+def _post_speech(port: int, body: dict, token: str | None = None) -> tuple[int, bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    headers = {"Content-Type": "application/json"}
+    if token:
+        headers["Authorization"] = f"Bearer {token}"
+    try:
+        conn.request("POST", "/v1/audio/speech", body=json.dumps(body).encode(), headers=headers)
+        response = conn.getresponse()
+        return response.status, response.read()
+    finally:
+        conn.close()
+
+
+def _get(port: int, path: str, method: str = "GET") -> tuple[int, dict[str, str], bytes]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request(method, path)
+        response = conn.getresponse()
+        return response.status, {k.lower(): v for k, v in response.getheaders()}, response.read()
+    finally:
+        conn.close()
+
+
+def _live(driver) -> dict:
+    return driver.execute_script(LIVE) or {}
+
+
+def _wait(driver, predicate, timeout_s: float, what: str):
+    from selenium.common.exceptions import TimeoutException
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    try:
+        return WebDriverWait(driver, timeout_s, poll_frequency=0.05).until(predicate)
+    except TimeoutException:
+        pytest.fail(f"timed out after {timeout_s}s waiting for {what}; page state: {_live(driver)}")
+
+
+def _open(driver, base: str) -> None:
+    driver.get(f"{base}/")
+    _wait(driver, lambda d: _live(d).get("ready"), 20, "the model list to load")
+
+
+def _fill(driver, text: str, *, voice: str | None = None, seed: str = "") -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    area = driver.find_element(By.ID, "text")
+    area.clear()
+    if text:
+        area.send_keys(text)
+    if voice is not None:
+        select = driver.find_element(By.ID, "voice-select")
+        if select.is_displayed():  # voices from /v1/models
+            Select(select).select_by_value(voice)
+        else:  # the free voice field (no /v1/models)
+            field = driver.find_element(By.ID, "voice-input")
+            field.clear()
+            field.send_keys(voice)
+    seed_field = driver.find_element(By.ID, "seed")
+    seed_field.clear()
+    if seed:
+        seed_field.send_keys(seed)
+
+
+def _speak_and_wait(driver) -> dict:
+    from selenium.webdriver.common.by import By
+
+    driver.find_element(By.ID, "speak").click()
+    _wait(
+        driver,
+        lambda d: _live(d).get("state") in ("done", "error", "stopped"),
+        60,
+        "the speech stream to end",
+    )
+    return _live(driver)
+
+
+def _artifact_dir(tmp_path: Path) -> Path:
+    root = os.environ.get("OMNI_TEST_ARTIFACTS")
+    path = Path(root) if root else tmp_path
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _waveform_pixels(driver) -> int:
+    """Painted pixels of the waveform canvas away from its centre line."""
+    return driver.execute_script(
+        """
+        const c = document.getElementById('waveform');
+        const d = c.getContext('2d').getImageData(0, 0, c.width, c.height).data;
+        const mid = Math.floor(c.height / 2), band = 3;
+        let n = 0;
+        for (let y = 0; y < c.height; y++) {
+          if (Math.abs(y - mid) <= band) continue;
+          for (let x = 0; x < c.width; x++) if (d[(y * c.width + x) * 4 + 3] > 0) n++;
+        }
+        return n;
+        """
+    )
+
+
+@pytest.mark.e2e
+def test_page_streams_speech_like_the_api(browser, stack: Stack, tmp_path: Path) -> None:
+    from selenium.webdriver.common.by import By
+
+    base = stack.http_url
+    _open(browser, base)
+    _fill(browser, TEXT, voice=VOICE, seed=str(SEED))
+    browser.find_element(By.ID, "speak").click()
+    # Live: audio has arrived and the TTFP figure shows before the end is awaited.
+    _wait(
+        browser,
+        lambda d: (
+            _live(d).get("samplesReceived", 0) > 0
+            and re.fullmatch(r"\d+ ms", d.find_element(By.ID, "ttfp").text)
+        ),
+        30,
+        "the first audio and the TTFP figure",
+    )
+    _wait(browser, lambda d: _live(d).get("state") in ("done", "error", "stopped"), 60, "the end")
+    live = _live(browser)
+    shot = _artifact_dir(tmp_path) / "playground.png"
+    browser.save_screenshot(str(shot))
+    print(f"playground screenshot: {shot}")
+
+    assert live["state"] == "done" and live["error"] is None, live
+    status, pcm = _post_speech(
+        stack.cfg.http_port,
+        {
+            "model": "omni-serving",
+            "input": TEXT,
+            "voice": VOICE,
+            "response_format": "pcm",
+            "stream": True,
+            "seed": SEED,
+        },
+    )
+    assert status == 200 and len(pcm) > 0, pcm[:300]
+    assert live["bytesReceived"] == len(pcm), f"{live=} {len(pcm)=}"
+    assert live["samplesReceived"] == len(pcm) // 2, f"{live=} {len(pcm)=}"
+    assert live["sampleRate"] == 24000
+    # Every sample went to Web Audio (AudioBufferSourceNodes), not just counted.
+    assert live["scheduledSeconds"] == pytest.approx(len(pcm) / 2 / 24000, abs=1e-6), live
+
+    assert live["ttfpMs"] > 0 and live["rtf"] > 0, live
+    assert browser.find_element(By.ID, "ttfp").text == f"{round(live['ttfpMs'])} ms"
+    assert browser.find_element(By.ID, "samples").text == str(len(pcm) // 2)
+    assert browser.find_element(By.ID, "rtf").text == f"{live['rtf']:.3f}"
+    assert _waveform_pixels(browser) > 100, "the waveform canvas stayed blank"
+    assert not browser.find_element(By.ID, "error").is_displayed()
+
+
+@pytest.mark.e2e
+def test_page_shows_the_servers_error(browser, stack: Stack) -> None:
+    from selenium.webdriver.common.by import By
+
+    _open(browser, stack.http_url)
+    _fill(browser, "")  # the server refuses an empty input
+    live = _speak_and_wait(browser)
+    assert live["state"] == "error" and live["samplesReceived"] == 0, live
+    shown = browser.find_element(By.ID, "error")
+    assert shown.is_displayed()
+    assert shown.text.startswith("HTTP 400: input:"), shown.text
+    assert "invalid_request_error" in shown.text and "param: input" in shown.text, shown.text
+    assert browser.find_element(By.ID, "ttfp").text == "–"
+
+
+@pytest.mark.e2e
+def test_pcm_decoder_joins_odd_byte_boundaries(browser, stack: Stack) -> None:
+    _open(browser, stack.http_url)
+    got = browser.execute_script(
+        """
+        const samples = [0, 1, -1, 32767, -32768, 12345, -2];
+        const bytes = new Uint8Array(samples.length * 2);
+        const view = new DataView(bytes.buffer);
+        samples.forEach((s, i) => view.setInt16(2 * i, s, true));
+        const dec = new window.playground.Pcm16Decoder();
+        const out = [];
+        for (const [a, b] of [[0, 1], [1, 4], [4, 5], [5, 5], [5, 12], [12, 14]]) {
+          for (const v of dec.push(bytes.subarray(a, b))) out.push(Math.round(v * 32768));
+        }
+        return {out, pending: dec.pendingBytes};
+        """
+    )
+    assert got == {"out": [0, 1, -1, 32767, -32768, 12345, -2], "pending": 0}
+
+
+def _chat_reference(port: int, body: dict) -> tuple[str, int]:
+    """(transcript, PCM bytes) of a streamed chat completion, read with the stdlib."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        conn.request(
+            "POST",
+            "/v1/chat/completions",
+            body=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        response = conn.getresponse()
+        assert response.status == 200, response.read()[:300]
+        events = response.read().decode().split("\n\n")
+    finally:
+        conn.close()
+    text, audio = "", 0
+    data = [e.removeprefix("data: ") for e in events if e.startswith("data: ")]
+    assert data[-1] == "[DONE]", data[-3:]
+    for item in data[:-1]:
+        delta = json.loads(item)["choices"][0]["delta"]
+        text += delta.get("content") or delta.get("audio", {}).get("transcript", "")
+        audio += len(base64.b64decode(delta.get("audio", {}).get("data", "")))
+    return text, audio
+
+
+@pytest.mark.e2e
+def test_chat_mode_streams_text_and_audio(browser, omni_stack: Stack, tmp_path: Path) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    _open(browser, omni_stack.http_url)
+    Select(browser.find_element(By.ID, "mode")).select_by_value("chat")
+    assert browser.find_element(By.ID, "chat-panel").is_displayed()
+    _fill(browser, "Hi there", voice=VOICE, seed="3")
+    live = _speak_and_wait(browser)
+    shot = _artifact_dir(tmp_path) / "playground-chat.png"
+    browser.save_screenshot(str(shot))
+    print(f"playground chat screenshot: {shot}")
+    assert live["state"] == "done" and live["error"] is None and live["mode"] == "chat", live
+
+    model = Select(browser.find_element(By.ID, "model")).first_selected_option.text
+    text, audio_bytes = _chat_reference(
+        omni_stack.cfg.http_port,
+        {
+            "model": model,
+            "messages": [{"role": "user", "content": "Hi there"}],
+            "modalities": ["text", "audio"],
+            "audio": {"voice": VOICE, "format": "pcm16"},
+            "stream": True,
+            "seed": 3,
+        },
+    )
+    assert text and audio_bytes, (text, audio_bytes)
+    assert live["transcript"] == text
+    assert browser.find_element(By.ID, "transcript").text == text
+    assert live["bytesReceived"] == audio_bytes, f"{live=} {audio_bytes=}"
+    assert live["samplesReceived"] == audio_bytes // 2
+    assert re.fullmatch(r"\d+ ms", browser.find_element(By.ID, "ttfp").text)
+
+
+@pytest.mark.e2e
+def test_stop_aborts_the_stream(browser, sock_dir: Path) -> None:
+    from selenium.webdriver.common.by import By
+
+    config = FakeDecoderConfig(num_chunks=200, delay_s=0.05)  # a 10 s stream
+    with (
+        FakeDecoder(sock_dir / "decoder.sock", config) as fake,
+        GatewayThread(fake.target, sock_dir, http_host="127.0.0.1", http_port=0) as gw,
+    ):
+        _open(browser, f"http://127.0.0.1:{gw.http_port}")
+        _fill(browser, TEXT)
+        browser.find_element(By.ID, "speak").click()
+        _wait(browser, lambda d: _live(d).get("samplesReceived", 0) > 0, 20, "the first audio")
+        browser.find_element(By.ID, "stop").click()
+        _wait(browser, lambda d: _live(d).get("state") != "streaming", 10, "the stop")
+        live = _live(browser)
+        assert live["state"] == "stopped" and live["error"] is None, live
+        assert 0 < live["samplesReceived"] < 200 * 480, live
+        # The page's abort closes the connection; the gateway aborts the decoder request.
+        assert fake.wait_for(lambda: len(fake.state.aborts) == 1), f"{fake.state.aborts=}"
+
+
+@pytest.fixture
+def token_gateway(sock_dir: Path) -> Iterator[GatewayThread]:
+    with (
+        FakeDecoder(sock_dir / "decoder.sock", FakeDecoderConfig(num_chunks=5)) as fake,
+        GatewayThread(
+            fake.target, sock_dir, http_host="127.0.0.1", http_port=0, auth_token=TOKEN
+        ) as gw,
+    ):
+        yield gw
+
+
+def test_page_is_open_with_a_token_and_the_api_is_not(token_gateway: GatewayThread) -> None:
+    port = token_gateway.http_port
+    for path, name, kind in [
+        ("/", "index.html", "text/html"),
+        ("/playground/playground.js", "playground.js", "text/javascript"),
+        ("/playground/playground.css", "playground.css", "text/css"),
+    ]:
+        for method in ("GET", "HEAD"):
+            status, headers, body = _get(port, path, method)
+            assert status == 200, (method, path, body[:200])
+            assert headers["content-type"].startswith(kind), headers
+            assert "connect-src 'self'" in headers["content-security-policy"], headers
+            want = b"" if method == "HEAD" else (PLAYGROUND_DIR / name).read_bytes()
+            assert body == want, (method, path)
+    for method, path in [
+        ("GET", "/metrics"),
+        ("GET", "/playground/other.js"),
+        ("GET", "/playground/../http_facade.py"),
+        ("POST", "/"),
+    ]:
+        status, headers, body = _get(port, path, method)
+        assert status == 401, (method, path, status)
+        assert json.loads(body)["error"]["code"] == "invalid_api_key"
+    assert _post_speech(port, {"model": "m", "input": "hi"})[0] == 401
+    status, pcm = _post_speech(port, {"model": "m", "input": "hi"}, token=TOKEN)
+    assert status == 200 and pcm
+
+
+@pytest.mark.e2e
+def test_page_sends_the_token(browser, token_gateway: GatewayThread) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    base = f"http://127.0.0.1:{token_gateway.http_port}"
+    _open(browser, base)
+    _fill(browser, TEXT)
+    live = _speak_and_wait(browser)
+    assert live["state"] == "error" and "invalid_api_key" in live["error"], live
+    token = browser.find_element(By.ID, "token")
+    token.send_keys(TOKEN + Keys.TAB)
+    live = _speak_and_wait(browser)
+    status, pcm = _post_speech(
+        token_gateway.http_port,
+        {"model": "m", "input": TEXT, "response_format": "pcm"},
+        token=TOKEN,
+    )
+    assert live["state"] == "done" and live["error"] is None, live
+    assert live["samplesReceived"] == len(pcm) // 2 > 0, f"{live=} {len(pcm)=}"
+
+
+def test_page_files_ship_and_stay_on_the_origin() -> None:
+    config = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())
+    patterns = config["tool"]["setuptools"]["package-data"]["gateway"]
+    files = sorted(p.name for p in PLAYGROUND_DIR.iterdir() if p.is_file())
+    assert {"index.html", "playground.js", "playground.css"} <= set(files), files
+    for name in files:
+        assert any(fnmatch(f"playground/{name}", pat) for pat in patterns), (name, patterns)
+        text = (PLAYGROUND_DIR / name).read_text()
+        assert not re.search(r"\w+://|(?:src|href)=\"//|url\(", text), f"{name} names a URL"
