@@ -55,6 +55,7 @@ from gateway.http_facade import (
     json_field,
     read_json,
     sse_event,
+    start_sse,
     write_sse_error,
 )
 from gateway.http_models import model_id
@@ -454,11 +455,7 @@ class ChatEndpoint:
         first: OmniRequestOutput,
         rest: AsyncIterator[OmniRequestOutput],
     ) -> web.StreamResponse:
-        headers = self._headers(call, reply)
-        headers["Content-Type"] = "text/event-stream"
-        headers["Cache-Control"] = "no-cache"
-        response = web.StreamResponse(headers=headers)
-        await response.prepare(request)
+        response = await start_sse(request, self._headers(call, reply))
         model = model_id(info)
 
         def chunk(delta: dict[str, object], finish_reason: str | None = None) -> bytes:

@@ -166,6 +166,15 @@ def json_field(
     return value
 
 
+async def start_sse(request: web.Request, headers: dict[str, str]) -> web.StreamResponse:
+    """A prepared ``text/event-stream`` response with `headers` (uncached)."""
+    headers["Content-Type"] = "text/event-stream"
+    headers["Cache-Control"] = "no-cache"
+    response = web.StreamResponse(headers=headers)
+    await response.prepare(request)
+    return response
+
+
 def sse_event(data: object) -> bytes:
     """One server-sent event carrying `data` as JSON."""
     return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"

@@ -50,6 +50,7 @@ from gateway.http_facade import (
     json_field,
     read_json,
     sse_event,
+    start_sse,
     write_sse_error,
 )
 from gateway.servicer import CLIENT_ERRORS
@@ -281,11 +282,7 @@ class SpeechEndpoint:
         first: AudioChunk,
         rest: AsyncIterator[AudioChunk],
     ) -> web.StreamResponse:
-        headers = self._headers(call, first)
-        headers["Content-Type"] = "text/event-stream"
-        headers["Cache-Control"] = "no-cache"
-        response = web.StreamResponse(headers=headers)
-        await response.prepare(request)
+        response = await start_sse(request, self._headers(call, first))
         prefix = wav_header(first.sample_rate_hz) if call.response_format == "wav" else b""
         chunk = first
         try:
