@@ -39,6 +39,13 @@ DEFAULT_REPETITION_MAX_PERIOD = 8
 
 STOP, LENGTH, REPETITION, ABORT = "stop", "length", "repetition", "abort"
 
+FRAME_TOLERANCE = 1e-3
+"""Frames forgiven when a cap in seconds is turned into frames: requests carry
+max_audio_seconds as a float32, whose rounding (at most ~2e-4 frames at
+300 s) must not cost a frame."""
+FLOAT32_EPS = 2.0**-23
+"""Relative rounding of a float32: a cap sent as the maximum itself is accepted."""
+
 
 @dataclass(frozen=True)
 class EngineFacts:
@@ -179,7 +186,8 @@ class DeploymentSettings:
         """The codec frames a request may produce: its cap (0 = the default)
         in frames, rounded down (the audio never exceeds the cap), at least 1."""
         seconds = max_audio_seconds or self.default_audio_seconds
-        return max(1, math.floor(seconds * self.frames_per_second + 1e-6))
+        # requests carry a float32: 5.12 arrives as 5.1199999 (63.99999 frames)
+        return max(1, math.floor(seconds * self.frames_per_second + FRAME_TOLERANCE))
 
     def limits_pb(self) -> common_pb2.DeploymentLimits:
         return common_pb2.DeploymentLimits(
@@ -268,7 +276,7 @@ def check_request(spec, settings: DeploymentSettings) -> None:
         raise InvalidArgumentError(
             f"{sp}.max_audio_seconds", f"must be >= 0 (0 = the default), got {seconds:g}"
         )
-    if seconds > settings.max_audio_seconds:
+    if seconds > settings.max_audio_seconds * (1 + FLOAT32_EPS):  # float32 on the wire
         raise InvalidArgumentError(
             f"{sp}.max_audio_seconds",
             f"{seconds:g} s is above this deployment's maximum of {settings.max_audio_seconds:g} s",

@@ -209,6 +209,7 @@ class Call:
     rid: str
     prompt: str
     seed: int
+    max_audio_seconds: float = 0.0  # 0: the decoder's default (60 s = 750 frames)
     pieces: list = field(default_factory=list)
     error: grpc.RpcError | None = None
     finish: str = ""
@@ -218,7 +219,9 @@ class Call:
         req = decoder_pb2.GenerateRequest(
             request_id=self.rid,
             prompt=self.prompt,
-            sampling_params=common_pb2.SamplingParams(seed=self.seed),
+            sampling_params=common_pb2.SamplingParams(
+                seed=self.seed, max_audio_seconds=self.max_audio_seconds
+            ),
         )
         try:
             with grpc.insecure_channel(self.target) as ch:
@@ -287,9 +290,10 @@ def reference_digests(calls) -> dict[str, str]:
     return {rid: digest(pcm16le(p)) for rid, p in pieces.items()}
 
 
-def batch(target: str, tag: str, n: int, frames: int) -> list[Call]:
+def batch(target: str, tag: str, n: int, frames: int, max_audio_seconds: float = 0.0) -> list[Call]:
     return [
-        Call(target, f"{tag}-{i}", prompt_for(i, frames), seed=7 * i + 1).start() for i in range(n)
+        Call(target, f"{tag}-{i}", prompt_for(i, frames), 7 * i + 1, max_audio_seconds).start()
+        for i in range(n)
     ]
 
 
@@ -484,7 +488,8 @@ def test_sigterm_with_dead_materializer_exits_promptly(tmp_path):
 @pytest.mark.e2e
 def test_sigterm_while_clients_stream_ends_them_with_unavailable(tmp_path):
     with services(tmp_path, "termbusy") as (mat, dec):
-        calls = batch(dec.target, "s", 3, 15_000)  # far longer than the test
+        # far longer than the test: the fake's longest (300 s = 3,750 frames) of 15,000
+        calls = batch(dec.target, "s", 3, 15_000, max_audio_seconds=300)
         wait_for(lambda: dec.steps() > 50, 30, "decoding started")
         mat.signal(signal.SIGKILL)  # also with the materializer dead, mid-step
         t0 = time.monotonic()
