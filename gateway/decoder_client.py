@@ -213,6 +213,10 @@ class DecoderClient:
             return str(exc)
         return None
 
+    def connected(self) -> bool:
+        """True while the channel holds a live connection (READY)."""
+        return self._channel.get_state(try_to_connect=False) is grpc.ChannelConnectivity.READY
+
     def generate(self, request: decoder_pb2.GenerateRequest) -> grpc.aio.UnaryStreamCall:
         """Start a decoder stream; iterate it, and translate AioRpcError with `decoder_error`."""
         return self._stub.Generate(request)

@@ -38,7 +38,12 @@ from gateway.validation import (
     check_voice,
     decoder_request,
 )
-from omni_common.errors import InvalidArgumentError, ResourceExhaustedError, UnavailableError
+from omni_common.errors import (
+    AlreadyExistsError,
+    InvalidArgumentError,
+    ResourceExhaustedError,
+    UnavailableError,
+)
 from omni_common.modality import OutputModality
 from omni_serving.v1 import decoder_pb2
 
@@ -95,6 +100,7 @@ class GatewayEngine:
         self.limits = limits or Limits()
         self.admission = Admission(max_concurrent)
         self.processor = processor or OutputProcessor(clock=clock)
+        self._aborting: set[str] = set()  # ids whose Abort the decoder has not answered yet
         self._clock = clock
         # Room for a SpeakResponse's other fields (ids, metrics) next to its audio.
         self._max_chunk_audio_bytes = max(2, (self.limits.max_response_bytes - 4096) // 2 * 2)
@@ -196,6 +202,8 @@ class GatewayEngine:
     ) -> AsyncIterator[OmniRequestOutput]:
         """One decoder stream through the output processor; aborts it unless it finished."""
         request_id = upstream.request_id
+        if request_id in self._aborting:
+            raise AlreadyExistsError(f"request_id: {request_id!r} is still being aborted")
         self.processor.add_request(request_id, modality, kind)
         assignment: Assignment | None = None
         call: grpc.aio.UnaryStreamCall | None = None
@@ -240,27 +248,23 @@ class GatewayEngine:
                     f"decoder ended the stream of request {request_id!r} without a final output"
                 )
         finally:
-            if assignment is None or finished or unreachable:
-                self.processor.abort_requests((request_id,))
-                if assignment is not None:
+            self.processor.abort_requests((request_id,))
+            if assignment is not None:
+                try:
+                    if not finished and not unreachable:
+                        if call is not None:
+                            call.cancel()
+                        # The id stays taken until the decoder has the Abort: a
+                        # new request reusing it must not start on the decoder
+                        # first and be ended by this Abort (ALREADY_EXISTS instead).
+                        self._aborting.add(request_id)
+                        # The replica is looked up now; shielded: a second
+                        # cancellation must not stop the abort.
+                        abort = asyncio.ensure_future(self.pool.abort((request_id,)))
+                        abort.add_done_callback(lambda _: self._aborting.discard(request_id))
+                        await asyncio.shield(abort)
+                finally:
                     self.pool.end(assignment)
-            else:
-                if call is not None:
-                    call.cancel()
-                # The request id stays taken until the decoder has answered the
-                # Abort: a new request reusing the id cannot start on the decoder
-                # before it, and be ended by this Abort. The replica is looked up
-                # now; shielded: a second cancellation must not stop the abort
-                # (nor the release, which runs when the abort is done).
-                done = assignment
-
-                def release(_: object) -> None:
-                    self.processor.abort_requests((request_id,))
-                    self.pool.end(done)
-
-                abort = asyncio.ensure_future(self.pool.abort((request_id,)))
-                abort.add_done_callback(release)
-                await asyncio.shield(abort)
 
     def _other(self, failed: Replica) -> Replica | None:
         """A healthy replica other than `failed` for a retried start, or None."""

@@ -31,8 +31,10 @@ DEFAULT_TIMEOUT_S = 0.5
 DEFAULT_SLOW_CHECKS = 4
 """Checks in a row that must run past their deadline before a healthy decoder
 counts as down. A decoder that refuses the connection or answers NOT_SERVING
-is down at once; one that is merely slow to answer (a host saturated by its
-own load) keeps its requests for about this many intervals plus deadlines."""
+is down at once, and so is one that is late while its channel is not
+connected; one that is merely slow to answer on a live connection (a host
+saturated by its own load) keeps its requests for about this many intervals
+plus deadlines."""
 
 
 class HealthState(Protocol):
@@ -93,7 +95,12 @@ class DecoderMonitor:
         """Run one check now, apply its result, and return it."""
         problem = await self._decoder.probe(self.timeout_s)
         healthy = problem is None
-        slow = problem is not None and problem.startswith("DEADLINE_EXCEEDED")
+        # late on a live connection: busy; late while (re)connecting: gone
+        slow = (
+            problem is not None
+            and problem.startswith("DEADLINE_EXCEEDED")
+            and self._decoder.connected()
+        )
         self._slow = self._slow + 1 if slow else 0
         if slow and self.healthy and self._slow < self.slow_checks:
             healthy = True  # slow, not gone: keep it until slow_checks in a row

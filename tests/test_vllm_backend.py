@@ -378,6 +378,7 @@ def test_omni_thinker_hands_hidden_states_to_talker(models):
     done = threading.Event()
     lock = threading.Lock()
     specs = [RequestSpec(request_id=f"om{i}", prompt=PROMPTS[i], max_tokens=12, temperature=0.7, seed=i,
+                         max_audio_seconds=5.12,  # 64 talker frames
                          modality=OutputModality.TEXT | OutputModality.AUDIO) for i in range(3)]
 
     def sink_for(rid):
@@ -406,5 +407,5 @@ def test_omni_thinker_hands_hidden_states_to_talker(models):
         assert finals[rid] in ("length", "stop")
         assert new_ids[rid] == thinker_tokens[rid]
         assert "".join(text[rid])
-        assert 0 < len(talker_tokens[rid]) <= 64  # talker default: 64 frames
+        assert 0 < len(talker_tokens[rid]) <= 64  # max_audio_seconds 5.12: 64 frames
         assert samples[rid] > 0

@@ -53,7 +53,8 @@ def generate_all(stack: Stack) -> dict[str, tuple[str, str]]:
             stub = gateway_pb2_grpc.OmniGatewayServiceStub(ch)
             req = gateway_pb2.OmniGatewayServiceGenerateRequest(
                 prompt=text, output_modalities="text+audio", output_kind=gateway_pb2.OUTPUT_KIND_FINAL_ONLY,
-                sampling_params=common_pb2.SamplingParams(seed=seed, temperature=0.8, max_tokens=24))
+                sampling_params=common_pb2.SamplingParams(seed=seed, temperature=0.8, max_tokens=24,
+                                                          max_audio_seconds=5.12))
             outs = [r.output for r in stub.Generate(req, timeout=300)]
         final = outs[-1]
         assert final.finished, f"{text!r} did not finish"
