@@ -51,7 +51,7 @@ class OmniGatewayService(gateway_pb2_grpc.OmniGatewayServiceServicer):
         request: gateway_pb2.OmniGatewayServiceGenerateRequest,
         context: grpc.aio.ServicerContext,
     ) -> None:
-        try:
+        async with _served(context, "Generate"):
             params = generation_request_from_pb(request, self._engine.limits)
             async with contextlib.aclosing(self._engine.generate(params)) as outputs:
                 async for output in outputs:
@@ -60,31 +60,15 @@ class OmniGatewayService(gateway_pb2_grpc.OmniGatewayServiceServicer):
                         response.ByteSize(), params.output_kind, self._engine.limits
                     )
                     await context.write(response)
-        except CLIENT_ERRORS as exc:
-            await _abort(context, "Generate", exc)
-        except asyncio.CancelledError:
-            metrics.REQUESTS.labels(api="Generate", code="CANCELLED").inc()
-            raise
-        except Exception as exc:  # noqa: BLE001  a bug: logged with its traceback, INTERNAL
-            await _abort(context, "Generate", exc, bug=True)
-        metrics.REQUESTS.labels(api="Generate", code="OK").inc()
 
     async def Speak(
         self, request: gateway_pb2.SpeakRequest, context: grpc.aio.ServicerContext
     ) -> None:
-        try:
+        async with _served(context, "Speak"):
             params = speech_request_from_pb(request, self._engine.limits)
             async with contextlib.aclosing(self._engine.speak(params)) as chunks:
                 async for chunk in chunks:
                     await context.write(chunk.to_pb())
-        except CLIENT_ERRORS as exc:
-            await _abort(context, "Speak", exc)
-        except asyncio.CancelledError:
-            metrics.REQUESTS.labels(api="Speak", code="CANCELLED").inc()
-            raise
-        except Exception as exc:  # noqa: BLE001  a bug: logged with its traceback, INTERNAL
-            await _abort(context, "Speak", exc, bug=True)
-        metrics.REQUESTS.labels(api="Speak", code="OK").inc()
 
     async def SpeakStream(
         self,
@@ -92,28 +76,15 @@ class OmniGatewayService(gateway_pb2_grpc.OmniGatewayServiceServicer):
         context: grpc.aio.ServicerContext,
     ) -> None:
         """Text in, audio out, on one call (`gateway.speak_stream`)."""
-        try:
+        async with _served(context, "SpeakStream"):
             await serve_speak_stream(self._engine, requests, context)
-        except CLIENT_ERRORS as exc:
-            await _abort(context, "SpeakStream", exc)
-        except asyncio.CancelledError:
-            metrics.REQUESTS.labels(api="SpeakStream", code="CANCELLED").inc()
-            raise
-        except Exception as exc:  # noqa: BLE001  a bug: logged with its traceback, INTERNAL
-            await _abort(context, "SpeakStream", exc, bug=True)
-        metrics.REQUESTS.labels(api="SpeakStream", code="OK").inc()
 
     async def ListModels(
         self, request: gateway_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> gateway_pb2.ListModelsResponse:
         response = gateway_pb2.ListModelsResponse()
-        try:
+        async with _served(context, "ListModels"):
             response.models.append(model_card(await self._engine.decoder_info()))
-        except CLIENT_ERRORS as exc:
-            await _abort(context, "ListModels", exc)
-        except Exception as exc:  # noqa: BLE001  a bug: logged with its traceback, INTERNAL
-            await _abort(context, "ListModels", exc, bug=True)
-        metrics.REQUESTS.labels(api="ListModels", code="OK").inc()
         return response
 
 
@@ -132,6 +103,23 @@ def model_card(info: DecoderInfo) -> gateway_pb2.ModelCard:
     )
     card.limits.CopyFrom(info.limits)
     return card
+
+
+@contextlib.asynccontextmanager
+async def _served(context: grpc.aio.ServicerContext, api: str) -> AsyncIterator[None]:
+    """One call of `api`: counted by outcome; client errors end it with their
+    code, a bug with INTERNAL (`_abort`), a cancellation as CANCELLED."""
+    try:
+        yield
+    except CLIENT_ERRORS as exc:
+        await _abort(context, api, exc)
+    except asyncio.CancelledError:
+        metrics.REQUESTS.labels(api=api, code="CANCELLED").inc()
+        raise
+    except Exception as exc:  # noqa: BLE001  a bug: logged with its traceback, INTERNAL
+        await _abort(context, api, exc, bug=True)
+    else:
+        metrics.REQUESTS.labels(api=api, code="OK").inc()
 
 
 async def _abort(
