@@ -203,6 +203,11 @@ def test_sigkill_one_decoder_of_two_under_load(stack2):
             assert time.monotonic() < back + 60, "the restarted decoder-r1 gets no requests"
             assert stack2.poll() is None
             time.sleep(0.1)
+        # Keep the load on until several requests were sent past the 2 s window.
+        while sum(r[0] >= killed + 2.0 for r in load.snapshot()) < 6:
+            assert time.monotonic() < back + 60, "the load stalled after the restart"
+            assert stack2.poll() is None
+            time.sleep(0.05)
     results = load.snapshot()
     assert other.proc.pid == other_pid and other.restarts == 0, "decoder-r0 was touched"
     assert any("decoder-r1 was killed by SIGKILL" in line for line in stack2.log), stack2.log
