@@ -7,8 +7,9 @@ needs (eager). It returns batched tensors; no per-request payload work.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 import torch
 
@@ -43,25 +44,114 @@ class RequestSpec:
     reply_token_ids: list[int] = field(default_factory=list)
 
 
+T = TypeVar("T")
+K = TypeVar("K")
+V = TypeVar("V")
+
+
+class LazyList(Sequence[T]):
+    """A read-only list computed on first use.
+
+    Per-request lists that only the snapshot sender or the router read
+    (batch indices, per-row counts, spans) are built there, off the decode
+    step. Computing twice (two threads at once) is harmless: the function is
+    pure over values fixed when the step was built.
+    """
+
+    __slots__ = ("_fn", "_value")
+
+    def __init__(self, fn: Callable[[], Iterable[T]]) -> None:
+        self._fn = fn
+        self._value: list[T] | None = None
+
+    def _get(self) -> list[T]:
+        value = self._value
+        if value is None:
+            value = self._value = list(self._fn())
+        return value
+
+    def __getitem__(self, i: Any) -> Any:
+        return self._get()[i]
+
+    def __len__(self) -> int:
+        return len(self._get())
+
+    def __iter__(self) -> Iterator[T]:
+        return iter(self._get())
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, LazyList):
+            other = other._get()
+        if isinstance(other, (list, tuple)):
+            return self._get() == list(other)
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]  # a list: unhashable
+
+    def __repr__(self) -> str:
+        return f"LazyList({self._get()!r})"
+
+
+class LazyDict(Mapping[K, V]):
+    """A read-only dict computed on first use (see :class:`LazyList`)."""
+
+    __slots__ = ("_fn", "_value")
+
+    def __init__(self, fn: Callable[[], Mapping[K, V]]) -> None:
+        self._fn = fn
+        self._value: dict[K, V] | None = None
+
+    def _get(self) -> dict[K, V]:
+        value = self._value
+        if value is None:
+            value = self._value = dict(self._fn())
+        return value
+
+    def __getitem__(self, key: K) -> V:
+        return self._get()[key]
+
+    def __len__(self) -> int:
+        return len(self._get())
+
+    def __iter__(self) -> Iterator[K]:
+        return iter(self._get())
+
+    def __repr__(self) -> str:
+        return f"LazyDict({self._get()!r})"
+
+
+def _spans(qsl: torch.Tensor, n: int) -> list[tuple[int, int]]:
+    q = qsl.tolist()
+    return [(q[i], q[i + 1]) for i in range(n)]
+
+
 @dataclass
 class StepOutput:
-    """One decode step's outputs, batched (rows in batch order)."""
+    """One decode step's outputs, batched (rows in batch order).
+
+    The per-request lists and dicts may be :class:`LazyList` /
+    :class:`LazyDict` (read-only, computed on first use, off the decode
+    step): read them, never mutate them. Tensors are the step's own (no
+    later step rewrites them); they may live on the engine's device, except
+    ``query_start_loc`` and ``sampled_token_ids`` (small, on CPU).
+    """
 
     request_ids: list[str]
-    batch_indices: list[int]
-    num_scheduled_tokens: list[int]
-    query_start_loc: torch.Tensor  # [n + 1] int32
-    sampled_token_ids: torch.Tensor  # [n, k] int64
+    batch_indices: Sequence[int]
+    num_scheduled_tokens: Sequence[int]
+    query_start_loc: torch.Tensor  # [n + 1] int32, CPU
+    sampled_token_ids: torch.Tensor  # [n, k] int64, CPU
     hidden_states: torch.Tensor | None  # [num_tokens, hidden]
     mm_outputs: dict[str, tuple[torch.Tensor, int]]  # name -> (tensor, TensorLayout)
     finished: dict[str, str]  # request id -> finish reason
-    text_deltas: dict[str, str] = field(default_factory=dict)  # text stages only
-    new_token_ids: dict[str, list[int]] = field(default_factory=dict)  # text stages only
+    text_deltas: Mapping[str, str] = field(default_factory=dict)  # text stages only
+    new_token_ids: Mapping[str, list[int]] = field(default_factory=dict)  # text stages only
 
     @property
-    def spans(self) -> list[tuple[int, int]]:
-        q = self.query_start_loc.tolist()
-        return [(q[i], q[i + 1]) for i in range(len(self.request_ids))]
+    def spans(self) -> Sequence[tuple[int, int]]:
+        """[(start, end)] token rows per request; computed when first read."""
+        qsl, n = self.query_start_loc, len(self.request_ids)
+        return LazyList(lambda: _spans(qsl, n))
 
 
 class ARBackend(Protocol):

@@ -1,18 +1,23 @@
 """Device-to-host staging for CUDA hosts: step tensors into the arena without
 blocking the decode step.
 
-On a CUDA host the step's output tensors live on the device, in buffers the
-next forward pass (or a CUDA graph replay) will overwrite. Per step:
+On a CUDA host the step's large output tensors (hidden rows, codec codes)
+live on the device; small metadata (sampled ids, row layout) is on the host
+already. The tensors handed in are the step's own: the backend gives each
+step tensors no later step rewrites (fresh model outputs, or its one copy of
+a buffer a CUDA graph replay reuses; `decoder_svc.vllm_engine.backend`), so
+nothing is cloned here and the slot copy is the step's only copy. Per step:
 
-1. the tensors are cloned on the compute stream (the clone is ordered after
-   the kernels that produced them and before any later overwrite);
-2. a dedicated copy stream waits for the compute stream, then copies each
-   clone into the arena slot with `non_blocking=True`; the arena mapping is
-   registered as pinned (page-locked) host memory, so the copy is a real
-   asynchronous DMA;
+1. a dedicated copy stream waits for the compute stream (the copies are
+   ordered after the kernels that produced the tensors);
+2. each device tensor is copied into the arena slot on the copy stream with
+   `non_blocking=True`; the arena mapping is registered as pinned
+   (page-locked) host memory, so the copy is a real asynchronous DMA. Host
+   tensors are written at once (a memcpy);
 3. an event is recorded on the copy stream; a fence thread waits for it,
-   marks the slot ready (the materializer waits on that mark) and drops the
-   clones.
+   marks the slot ready (the materializer waits on that mark) and only then
+   drops its references to the device tensors (until then the caching
+   allocator cannot hand their memory to a later step).
 
 The decode step only enqueues work; it never waits for the copy.
 """
@@ -82,17 +87,23 @@ class CudaStaging:
         self.fence = ReadinessFence()
 
     def write(self, lease: SlotLease, tensors: dict[str, tuple[torch.Tensor, int]]) -> dict[str, tuple[tensor_pb2.TensorRef, int]]:
-        """Enqueue the copies of one step; the slot becomes ready later."""
-        compute = torch.cuda.current_stream(self.device)
-        clones = {name: (t.detach().clone(), layout) for name, (t, layout) in tensors.items()}  # 1)
-        self.stream.wait_stream(compute)
+        """Enqueue the copies of one step; the slot becomes ready later.
+
+        The tensors must not be written after this call (module docstring).
+        """
+        on_device = [t for t, _ in tensors.values() if t.device.type == "cuda"]
+        if on_device:
+            self.stream.wait_stream(torch.cuda.current_stream(self.device))  # 1)
         handles = {}
         with torch.cuda.stream(self.stream):  # 2)
-            for name, (t, layout) in clones.items():
-                handles[name] = (lease.write(t, non_blocking=True), layout)
+            for name, (t, layout) in tensors.items():
+                handles[name] = (lease.write(t, non_blocking=t.device.type == "cuda"), layout)
+        if not on_device:  # host tensors only: written already
+            lease.mark_ready()
+            return handles
         event = torch.cuda.Event()
         event.record(self.stream)  # 3)
-        self.fence.submit(event, lease.mark_ready, keepalive=clones)
+        self.fence.submit(event, lease.mark_ready, keepalive=on_device)
         return handles
 
     def close(self) -> None:

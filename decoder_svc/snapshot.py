@@ -3,7 +3,11 @@
 `take_snapshot` runs on the decode critical path. It copies only the tensors
 the stage's routes read (one memcpy each, into a free slot), marks the slot
 ready, and returns a `SnapshotMeta`: plain Python values and handles. The
-`StepSnapshot` protobuf is built later, by the sender thread.
+`StepSnapshot` protobuf is built later, by the sender thread; so are the
+per-request lists a backend hands over lazily (`decoder_svc.backend.LazyList`:
+batch indices, per-row counts, spans), which `meta_of` passes on unread.
+The step's tensors are the backend's own for that step (no later step
+rewrites them, see `StepOutput`), so the slot copy is the step's only copy.
 
 When a step's tensors do not fit a slot, or inline transport is forced
 (`--inline-transport`), the snapshot keeps detached (cloned) tensors instead
@@ -16,6 +20,7 @@ slot's bytes into the message, off the critical path.
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -45,18 +50,18 @@ class SnapshotMeta:
     step_id: int
     stage_id: int
     request_ids: list[str]
-    batch_indices: list[int]
-    num_scheduled_tokens: list[int]
-    spans: list[tuple[int, int]]
-    num_sampled_tokens: list[int]
+    batch_indices: Sequence[int]  # may be lazy (computed on the sender thread)
+    num_scheduled_tokens: Sequence[int]
+    spans: Sequence[tuple[int, int]]
+    num_sampled_tokens: Sequence[int]
     finished: dict[str, str]
     downstream_request_ids: list[str]
     connector_signals: list[snapshot_pb2.ConnectorSignal]
     handles: dict[str, tuple[tensor_pb2.TensorRef, int]] = field(default_factory=dict)
     tensors: dict[str, tuple[torch.Tensor, int]] = field(default_factory=dict)  # detached, slot-less
     lease: SlotLease | None = None
-    text_deltas: dict[str, str] = field(default_factory=dict)
-    new_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    text_deltas: Mapping[str, str] = field(default_factory=dict)
+    new_token_ids: Mapping[str, list[int]] = field(default_factory=dict)
     created_s: float = field(default_factory=time.perf_counter)
 
     # -- off the critical path -------------------------------------------------
@@ -69,9 +74,9 @@ class SnapshotMeta:
             step_id=self.step_id,
             stage_id=self.stage_id,
             request_ids=self.request_ids,
-            batch_indices=self.batch_indices,
-            num_sampled_tokens=self.num_sampled_tokens,
-            num_scheduled_tokens=self.num_scheduled_tokens,
+            batch_indices=list(self.batch_indices),
+            num_sampled_tokens=list(self.num_sampled_tokens),
+            num_scheduled_tokens=list(self.num_scheduled_tokens),
             finished_request_ids=list(self.finished),
             downstream_request_ids=self.downstream_request_ids,
         )
@@ -150,7 +155,9 @@ def meta_of(
     downstream_request_ids: list[str],
     connector_signals: list[snapshot_pb2.ConnectorSignal],
 ) -> SnapshotMeta:
-    """The step's metadata, detached from the runner's live state (no tensors)."""
+    """The step's metadata, detached from the runner's live state (no tensors).
+
+    Critical path: lazy lists of `out` are passed on, not computed."""
     return SnapshotMeta(
         step_id=step_id,
         stage_id=stage_id,
@@ -178,9 +185,9 @@ def take_snapshot(
     free arena slot, one memcpy each, and mark the slot ready.
 
     Blocks while every slot is held (backpressure). Without an arena, or if
-    the step does not fit one slot, the tensors are cloned instead (they then
-    travel inline). With `staging` (CUDA hosts) the copies are only enqueued
-    and the slot is marked ready when they complete.
+    the step does not fit one slot, the tensors are copied to host memory
+    instead (they then travel inline). With `staging` (CUDA hosts) the copies
+    are only enqueued and the slot is marked ready when they complete.
     """
     if arena is not None:
         need = sum(t.numel() * t.element_size() + 64 for t, _ in tensors.values())
@@ -198,5 +205,8 @@ def take_snapshot(
                 raise
             meta.lease = lease
             return meta
-    meta.tensors = {name: (t.detach().clone(), layout) for name, (t, layout) in tensors.items()}
+    # One copy each, to host memory (from a device tensor this waits for it).
+    meta.tensors = {
+        name: (t.detach().to("cpu", copy=True), layout) for name, (t, layout) in tensors.items()
+    }
     return meta

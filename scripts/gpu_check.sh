@@ -1,28 +1,35 @@
 #!/usr/bin/env bash
-# GPU checks, for a machine with an NVIDIA GPU and the project installed with
-# the `cuda` extra (OMNI_EXTRAS=dev,cuda bash scripts/install.sh), run from the
-# repository root:
+# GPU checks, for a machine with an NVIDIA GPU, run from the repository root:
 #
 #   bash scripts/gpu_check.sh
 #
-# 1. the GPU-marked tests (pytest marker `gpu`: tests/test_cuda_staging.py);
-# 2. with 2 or more GPUs visible, tensor parallelism: tests/test_thinker_tp.py
-#    (pytest marker `vllm`) runs the tiny Qwen3-Omni checkpoint's thinker with
-#    tensor_parallel_size=2 and with 1, greedy, and checks the same steps,
-#    tokens and captured rows (thinker_embed / thinker_hidden / hidden_states,
-#    allclose), then an omni request through the decoder's pipeline with the
-#    thinker on 2 GPUs (audio out); tests/test_parallel_config.py checks the
-#    profile keys and the refusals (talker tensor parallelism, pipeline
-#    parallelism, explicit executor backends). See docs/profiles.md, "Tensor
-#    and pipeline parallelism".
+# Installs what it needs from the project's own files (scripts/install.sh
+# with the `cuda` extra: vLLM's CUDA build and its torch) into $VENV
+# (default .venv-gpu; an existing one whose torch sees the GPU is reused),
+# then runs, each bounded by a timeout (together well under 5 minutes once
+# installed):
 #
-# This script has NOT been run: it was written on a CPU-only machine (no GPU).
-# Environment: PYTEST_TIMEOUT_S (default 900), TP_TIMEOUT_S (default 1200).
+# 1. tests/test_cuda_staging.py (marker `gpu`): the arena registered as pinned
+#    host memory (cudaHostRegister), the copy stream, readiness only after
+#    the copy (the slot is not ready while the copy waits behind busy compute
+#    work), and a decode step's rows kept on the device through row
+#    selection and the talker's codes, then staged, equal to the host run;
+# 2. tests/test_step_devices.py: the same step bookkeeping on the fake
+#    device (no op mixes devices, one device->host read per step);
+# 3. async == sync on the device: tests/test_vllm_backend.py's
+#    test_pipeline_sync_and_async_paths_give_identical_audio (marker
+#    `vllm`) with the tiny models on the GPU (vLLM's CUDA build places them
+#    there): the materializer path's audio equals the in-process path's.
+# 4. with 2 or more GPUs: tensor parallelism (tests/test_thinker_tp.py,
+#    tests/test_parallel_config.py; docs/profiles.md).
+#
+# The tests of 1 skip on a host without CUDA; the others also run there.
+# Environment: VENV, PYTEST_TIMEOUT_S (default 240), TP_TIMEOUT_S (default 1200).
 set -euo pipefail
 
 cd "$(dirname "$0")/.."
-PYTHON=${PYTHON:-python}
-PYTEST_TIMEOUT_S=${PYTEST_TIMEOUT_S:-900}
+VENV=${VENV:-.venv-gpu}
+PYTEST_TIMEOUT_S=${PYTEST_TIMEOUT_S:-240}
 TP_TIMEOUT_S=${TP_TIMEOUT_S:-1200}
 
 if ! command -v nvidia-smi >/dev/null 2>&1; then
@@ -36,15 +43,28 @@ if [ "${NUM_GPUS}" -lt 1 ]; then
     exit 2
 fi
 
-echo "gpu_check: GPU-marked tests"
-timeout "${PYTEST_TIMEOUT_S}" "${PYTHON}" -m pytest -q -p no:cacheprovider -m gpu tests/test_cuda_staging.py
+if ! "${VENV}/bin/python" -c 'import sys, torch, vllm; sys.exit(0 if torch.cuda.is_available() else 1)' 2>/dev/null; then
+    echo "gpu_check: installing into ${VENV} (extras dev,cuda)"
+    VENV="${VENV}" OMNI_EXTRAS=dev,cuda bash scripts/install.sh
+fi
+PYTHON="${VENV}/bin/python"
+"${PYTHON}" -c 'import torch; assert torch.cuda.is_available(), "torch in the venv does not see the GPU"; print("gpu_check: torch", torch.__version__, torch.cuda.get_device_name(0))'
+
+PYTEST=("${PYTHON}" -m pytest -q -p no:cacheprovider -x -rs)
+
+echo "gpu_check: staging (pinned arena, copy stream, readiness) and the step's devices"
+timeout "${PYTEST_TIMEOUT_S}" "${PYTEST[@]}" tests/test_cuda_staging.py tests/test_step_devices.py
+
+echo "gpu_check: async == sync on the device (tiny models)"
+timeout "${PYTEST_TIMEOUT_S}" "${PYTEST[@]}" -m vllm tests/test_vllm_backend.py \
+    -k test_pipeline_sync_and_async_paths_give_identical_audio
 
 if [ "${NUM_GPUS}" -lt 2 ]; then
     echo "gpu_check: fewer than 2 GPUs: tensor parallelism checks skipped"
+    echo "gpu_check: done"
     exit 0
 fi
 
 echo "gpu_check: tensor parallelism (thinker tensor_parallel_size=2)"
-timeout "${TP_TIMEOUT_S}" "${PYTHON}" -m pytest -q -p no:cacheprovider -m vllm \
-    tests/test_thinker_tp.py tests/test_parallel_config.py
+timeout "${TP_TIMEOUT_S}" "${PYTEST[@]}" -m vllm tests/test_thinker_tp.py tests/test_parallel_config.py
 echo "gpu_check: done"

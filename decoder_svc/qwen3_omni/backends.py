@@ -378,8 +378,15 @@ class TalkerBackend(VLLMBackend):
     def _codes(
         self, cap: rh.StepCapture, tokens: torch.Tensor, row_ok: torch.Tensor
     ) -> torch.Tensor:
-        last = cap.hidden_states[cap.query_start_loc[1:].long() - 1]
-        return self._model.on_sampled(cap.external_req_ids, last, tokens[:, 0], row_ok)
+        # host ids/mask for the per-request bookkeeping, the sampler's own
+        # ids and the last hidden rows on the device for the code predictor
+        return self._model.on_sampled(
+            cap.external_req_ids,
+            cap.last_hidden_per_request(),
+            tokens[:, 0],
+            row_ok,
+            cap.sampled_token_ids[:, 0],
+        )
 
     def _forget(self, request_id: str) -> None:
         if self._model is not None:

@@ -35,7 +35,14 @@ from torch import nn
 
 from .code_predictor import CodePredictor
 
-__all__ = ["TALKER_ARCH", "talker_model_class", "TalkerRequestState", "talker_config_view", "register"]
+__all__ = [
+    "TALKER_ARCH",
+    "talker_model_class",
+    "TalkerRequestState",
+    "talker_config_view",
+    "register",
+    "sampled_frame_codes",
+]
 
 TALKER_ARCH = "OmniServingQwen3OmniTalker"
 NUM_SUPPRESSED = 1024  # the last 1024 ids of the codec vocab are control tokens
@@ -89,6 +96,66 @@ class TalkerRequestState:
     residual_sum: torch.Tensor | None = None  # [H]: residual codes of the last frame
     seen: set[int] = field(default_factory=set)  # codebook-0 ids sampled so far
     seen_ids: torch.Tensor | None = None  # the same ids as a tensor, for the repetition penalty
+
+
+def sampled_frame_codes(
+    talker: Any,
+    req_ids: Sequence[str],
+    last_hidden: torch.Tensor,
+    code0: torch.Tensor,
+    valid: torch.Tensor,
+    code0_device: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """The talker's step postprocess: codebooks 1..G-1 of the frame each row
+    just sampled, and each request's state for the next step. Returns codes
+    [n, G] int64 on ``last_hidden``'s device.
+
+    req_ids: external ids; last_hidden [n, H] (normalised, what
+    ``codec_head`` saw; on the model's device); code0 [n] and valid [n] bool:
+    host tensors (what the Python side decides from, without a device sync
+    per row); code0_device: the same ids on the model's device (default:
+    ``code0`` moved there). Rows that are invalid, end the speech (codec
+    eos) or have no state get zeros for the residual codes and update
+    nothing. ``talker`` is the talker model (``states``, ``states_lock``,
+    ``code_predictor``, ``model.codec_embedding``, ``_suppress``).
+    """
+    n = len(req_ids)
+    cp = talker.code_predictor
+    dev = last_hidden.device
+    code0 = code0.reshape(-1)
+    if code0_device is None:
+        code0_device = code0.to(dev, non_blocking=True)
+    code0_device = code0_device.reshape(-1).to(torch.int64)
+    codes = torch.zeros((n, cp.num_groups), dtype=torch.int64, device=dev)
+    codes[:, 0] = code0_device
+    ids = code0.tolist()
+    ok = valid.tolist()
+    with talker.states_lock:
+        states = [talker.states.get(r) for r in req_ids]
+    rows = [i for i in range(n) if states[i] is not None and ok[i] and ids[i] < cp.vocab_size]
+    if not rows:
+        return codes
+    idx = torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True)
+    sts = [states[i] for i in rows]
+    emb0 = talker.model.codec_embedding(code0_device.index_select(0, idx))
+    residual, embed_sum = cp.predict(
+        last_hidden.index_select(0, idx),
+        emb0,
+        temperature=[s.temperature for s in sts],
+        top_k=[s.top_k for s in sts],
+        top_p=[s.top_p for s in sts],
+        generators=[s.generator for s in sts],
+    )
+    codes[idx, 1:] = residual
+    seen_device = talker._suppress.device
+    with talker.states_lock:
+        for j, (i, st) in enumerate(zip(rows, sts, strict=True)):
+            st.residual_sum = embed_sum[j]
+            token = ids[i]
+            if token not in st.seen:  # the tensor changes only when a new id appears
+                st.seen.add(token)
+                st.seen_ids = torch.tensor(sorted(st.seen), dtype=torch.long).to(seen_device)
+    return codes
 
 
 def _external_id(internal_id: str) -> str:
@@ -219,10 +286,19 @@ def _build_classes():
             self._runner = runner
 
         def _batch(self) -> tuple[list[str], list[int]]:
-            """(external request ids in batch order, query_start_loc as a list)."""
+            """(external request ids in batch order, query_start_loc as a list),
+            from the runner's host-side buffers."""
             r = self._runner
             n = r.input_batch.num_reqs
             return [_external_id(x) for x in r.input_batch.req_ids[:n]], r.query_start_loc.cpu[: n + 1].tolist()
+
+        def _computed(self, n: int) -> list[int]:
+            """Tokens in KV before this step, per batch row (host side). The
+            runner's positions are these plus the token's offset in the step
+            (``GPUModelRunner._prepare_inputs``; the device copy differs only
+            under asynchronous speculative decoding, which the talker never
+            runs), so no position is read back from the device."""
+            return self._runner.input_batch.num_computed_tokens_cpu[:n].tolist()
 
         # -- vLLM model interface ---------------------------------------------------
         def embed_input_ids(self, input_ids: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -238,6 +314,7 @@ def _build_classes():
         def _add_step_inputs(self, embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
             """Decode rows: + residual codes' embeddings + the step's text embedding."""
             req_ids, qsl = self._batch()
+            computed = self._computed(len(req_ids))
             rows: list[int] = []
             extra: list[torch.Tensor] = []
             with self.states_lock:
@@ -246,7 +323,7 @@ def _build_classes():
                     if st is None or st.residual_sum is None:
                         continue
                     row = qsl[i + 1] - 1  # decode: one row per request
-                    step = int(positions[row]) - st.prompt_len
+                    step = computed[i] + (row - qsl[i]) - st.prompt_len  # == positions[row] - prompt_len
                     if step < 0:
                         continue
                     text = st.trailing[step] if step < st.trailing.shape[0] else st.pad
@@ -279,45 +356,9 @@ def _build_classes():
 
         # -- the code predictor, right after sampling (inside the step) ---------------
         def on_sampled(self, req_ids: Sequence[str], last_hidden: torch.Tensor, code0: torch.Tensor,
-                       valid: torch.Tensor) -> torch.Tensor:
-            """Fill codebooks 1..G-1 for the rows just sampled; returns codes [n, G].
-
-            req_ids: external ids; last_hidden [n, H] (normalised, what
-            ``codec_head`` saw); code0 [n]; valid [n] bool (rows whose token
-            counts). Rows that are invalid, end the speech (codec eos) or have
-            no state get zeros for the residual codes and update nothing.
-            """
-            n = len(req_ids)
-            codes = torch.zeros((n, self.code_predictor.num_groups), dtype=torch.int64)
-            codes[:, 0] = code0.cpu()
-            with self.states_lock:
-                states = [self.states.get(r) for r in req_ids]
-            rows = [
-                i for i in range(n)
-                if states[i] is not None and bool(valid[i]) and int(code0[i]) < self.code_predictor.vocab_size
-            ]
-            if not rows:
-                return codes
-            idx = torch.tensor(rows)
-            sts = [states[i] for i in rows]
-            emb0 = self.model.codec_embedding(code0[idx])
-            residual, embed_sum = self.code_predictor.predict(
-                last_hidden[idx],
-                emb0,
-                temperature=[s.temperature for s in sts],
-                top_k=[s.top_k for s in sts],
-                top_p=[s.top_p for s in sts],
-                generators=[s.generator for s in sts],
-            )
-            codes[idx, 1:] = residual.cpu()
-            with self.states_lock:
-                for j, (i, st) in enumerate(zip(rows, sts, strict=True)):
-                    st.residual_sum = embed_sum[j]
-                    token = int(code0[i])
-                    if token not in st.seen:  # the tensor changes only when a new id appears
-                        st.seen.add(token)
-                        st.seen_ids = torch.tensor(sorted(st.seen), dtype=torch.long, device=self._suppress.device)
-            return codes
+                       valid: torch.Tensor, code0_device: torch.Tensor | None = None) -> torch.Tensor:
+            """Fill codebooks 1..G-1 for the rows just sampled (see :func:`sampled_frame_codes`)."""
+            return sampled_frame_codes(self, req_ids, last_hidden, code0, valid, code0_device)
 
         # -- weights ---------------------------------------------------------------
         def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:

@@ -42,6 +42,23 @@ Speculative decoding (thinker only): ``sampled_token_ids`` holds each row's
 last kept token and ``new_token_ids`` every token the engine kept; hidden
 rows include the draft positions the step scheduled.
 
+The critical path
+-----------------
+Per step the backend does only: one device-to-host copy of the sampled ids
+(``[n, 1 + num_spec]``, the step's one sync; everything host-side is decided
+from it and the runner's host-side metadata), the talker's code predictor
+(on the device), and row selection. Large tensors are never copied here:
+``hidden_states`` and the per-token extras are the runner's own tensors of
+the step (:func:`.runner_hook.outputs_are_fresh` says why that is safe, and
+when -- CUDA graphs -- the hook takes its one copy instead), so the snapshot's
+slot copy is the step's only copy of them. Rows are selected with index
+tensors on the tensors' own device (no boolean masks: their size is data-
+dependent, which would sync), and only when some row is dropped. Lists for
+protobuf fields and per-request dicts (``batch_indices``,
+``num_scheduled_tokens``, ``spans``, ``text_deltas``, ``new_token_ids``) are
+:class:`decoder_svc.backend.LazyList` / ``LazyDict``: built where they are
+read (the snapshot's sender thread, the router), not in the step.
+
 Thread safety
 -------------
 - ``add_request`` / ``abort`` (gRPC threads) and ``step`` / ``has_unfinished``
@@ -70,7 +87,7 @@ from typing import Any
 
 import torch
 
-from decoder_svc.backend import RequestSpec, StepOutput
+from decoder_svc.backend import LazyDict, LazyList, RequestSpec, StepOutput
 from decoder_svc.profile import parallel_refusal
 from omni_common.errors import FailedPreconditionError, InvalidArgumentError
 from omni_common.materialize import PER_REQUEST as TENSOR_LAYOUT_PER_REQUEST
@@ -111,6 +128,36 @@ class VLLMStepOutput(StepOutput):
     engine_step: int = -1
 
 
+def _new_token_ids(
+    request_ids: list[str], tokens: torch.Tensor, engine_ids: dict[str, list[int]]
+) -> dict[str, list[int]]:
+    """Per request: the tokens the engine reported, else the captured one."""
+    captured = tokens[:, 0].tolist()
+    return {rid: engine_ids.get(rid) or [t] for rid, t in zip(request_ids, captured, strict=True)}
+
+
+class _Picker:
+    """Row selection on each tensor's own device: the host index tensors are
+    moved to a device once per step (an index of known length: no sync)."""
+
+    def __init__(self, rows: torch.Tensor, token_rows: torch.Tensor) -> None:
+        self._host = {"rows": rows, "tokens": token_rows}
+        self._on: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+    def _index(self, kind: str, device: torch.device) -> torch.Tensor:
+        key = (kind, device)
+        idx = self._on.get(key)
+        if idx is None:
+            idx = self._on[key] = self._host[kind].to(device, non_blocking=True)
+        return idx
+
+    def rows(self, t: torch.Tensor) -> torch.Tensor:
+        return t.index_select(0, self._index("rows", t.device))
+
+    def tokens(self, t: torch.Tensor) -> torch.Tensor:
+        return t.index_select(0, self._index("tokens", t.device))
+
+
 @dataclass
 class _Captured:
     """One engine step as seen by the hook (stage thread), detached."""
@@ -118,13 +165,15 @@ class _Captured:
     key: Any  # the step's SchedulerOutput (identity)
     step_index: int
     req_ids: list[str]  # internal ids, batch order
-    row_ok: torch.Tensor  # [n] bool: a token was sampled and kept
-    num_scheduled: torch.Tensor  # [n] int64
-    tokens: torch.Tensor  # [n, 1] int64: the row's last accepted token
-    accepted: torch.Tensor | None  # [n, S] int64 (-1 = none), only when S > 1
-    hidden: torch.Tensor | None  # [T, H] float32 copy (capture_hidden)
-    codes: torch.Tensor | None  # [n, K] int64 (talker)
-    extra: dict[str, torch.Tensor]  # per-token tensors [T, ...] (model-specific)
+    row_ok: torch.Tensor  # [n] bool (host): a token was sampled and kept
+    all_ok: bool  # row_ok.all()
+    num_scheduled: torch.Tensor  # [n] int32 (host)
+    query_start_loc: torch.Tensor  # [n + 1] int32 (host)
+    tokens: torch.Tensor  # [n, 1] int64 (host): the row's last accepted token
+    accepted: torch.Tensor | None  # [n, S] int64 (host; -1 = none), only when S > 1
+    hidden: torch.Tensor | None  # [T, H] float32 (device; capture_hidden): the runner's tensor or the one copy
+    codes: torch.Tensor | None  # [n, K] int64 (device; talker)
+    extra: dict[str, torch.Tensor]  # per-token tensors [T, ...] (device; model-specific)
 
 
 class VLLMBackend:
@@ -236,6 +285,7 @@ class VLLMBackend:
         self._ext_of: dict[str, str] = {}  # live internal id -> external id
         self._int_of: dict[str, str] = {}  # live external id -> internal id
         self._captured: deque[_Captured] = deque()  # stage thread only
+        self._copy_hidden = False  # set once the engine is built (outputs_are_fresh)
         self._updated: list[Any] = []  # SchedulerOutputs processed during the current engine.step()
         self._ready: deque[VLLMStepOutput] = deque()
         self._closed = False
@@ -264,6 +314,9 @@ class VLLMBackend:
             else:  # tensor parallelism: the runners are in worker processes
                 self._worker_capture = rh.WorkerCapture(self.engine, hidden=self.capture_hidden)
                 self._hook = self._worker_capture
+            # A step keeps references to the runner's outputs unless a later
+            # step can rewrite them (CUDA graphs): then it takes one copy.
+            self._copy_hidden = not rh.outputs_are_fresh(self.engine.vllm_config)
             self._wrap_scheduler()
             self._after_engine()
             if pooling_engine == "eager":
@@ -313,13 +366,18 @@ class VLLMBackend:
     def _codes(
         self, cap: rh.StepCapture, tokens: torch.Tensor, row_ok: torch.Tensor
     ) -> torch.Tensor:
-        """Talker: all codebooks of the frame each row sampled, [n, K] int64."""
-        n = tokens.shape[0]
-        last = cap.hidden_states[cap.query_start_loc[1:].long() - 1].to(torch.float32)  # [n, H]
-        codes = torch.empty((n, self.num_codebooks), dtype=torch.int64)
-        codes[:, 0] = tokens[:, 0]
+        """Talker: all codebooks of the frame each row sampled, [n, K] int64
+        on the runner's device. ``tokens`` [n, 1] and ``row_ok`` [n] are the
+        host copies; device work reads the sampler's own ids."""
+        last = cap.last_hidden_per_request()  # [n, H], device
+        n, dev = last.shape[0], last.device
+        codes = torch.empty((n, self.num_codebooks), dtype=torch.int64, device=dev)
+        codes[:, 0] = cap.sampled_token_ids[:, 0]
         if self._cp_weight is not None:
-            logits = (last @ self._cp_weight.T).view(n, self.num_codebooks - 1, self.codec_vocab)
+            w = self._cp_weight
+            if w.device != dev:  # loaded on the host; moved to the runner's device once
+                self._cp_weight = w = w.to(dev)
+            logits = (last.to(w.dtype) @ w.T).view(n, self.num_codebooks - 1, self.codec_vocab)
             codes[:, 1:] = logits.argmax(-1)
         return codes
 
@@ -494,28 +552,42 @@ class VLLMBackend:
         """One captured step: in process (the step hook, inside
         ``engine.step()``: key and extra from the capture and this backend)
         or fetched from the capturing worker after it (``WorkerCapture``:
-        the step's SchedulerOutput here as key, the worker's extra rows)."""
-        sampled = cap.sampled_token_ids.to(torch.int64)  # a copy: the runner may reuse its tensor
+        the step's SchedulerOutput here as key, the worker's extra rows).
+
+        Host side: the sampled ids (the step's one device-to-host copy; a
+        copy in any case, int32 -> int64, so the sampler's tensor is never
+        touched) and the runner's host metadata. Device side: hidden rows,
+        codes and extras, kept as the runner's tensors (module docstring)."""
+        sampled = cap.sampled_token_ids.to("cpu", torch.int64, copy=True)
         n, s = sampled.shape
-        valid = sampled >= 0
-        nvalid = valid.sum(1)
-        row_ok = (~cap.discard_mask.to(torch.bool)) & (nvalid > 0)
         if s == 1:
+            row_ok = ~cap.discard_mask.to(torch.bool)
+            row_ok &= sampled[:, 0] >= 0
             tokens, accepted = sampled, None
         else:  # speculative decoding: accepted tokens are a prefix, -1 after
+            nvalid = (sampled >= 0).sum(1)
+            row_ok = (~cap.discard_mask.to(torch.bool)) & (nvalid > 0)
             tokens = sampled.gather(1, (nvalid - 1).clamp(min=0)[:, None])
             accepted = sampled
         codes = self._codes(cap, tokens, row_ok) if self.is_talker else None
-        hidden = cap.hidden_states.to(torch.float32, copy=True) if self.capture_hidden else None
+        hidden = None
+        if self.capture_hidden:
+            hidden = cap.hidden_states
+            if self._copy_hidden or hidden.dtype != torch.float32:
+                # the one copy (a CUDA graph's buffer is rewritten by the next
+                # replay); a conversion from the model's dtype is folded in
+                hidden = hidden.to(torch.float32, copy=True)
         if extra is None:
             extra = self._extra_outputs(cap)
         self._captured.append(
             _Captured(
                 key=cap.scheduler_output if key is None else key,
                 step_index=cap.step_index,
-                req_ids=list(cap.req_ids),
+                req_ids=cap.req_ids,
                 row_ok=row_ok,
-                num_scheduled=cap.num_scheduled_tokens.to(torch.int64),
+                all_ok=bool(row_ok.all()),
+                num_scheduled=cap.num_scheduled_tokens,
+                query_start_loc=cap.query_start_loc,
                 tokens=tokens,
                 accepted=accepted,
                 hidden=hidden,
@@ -613,57 +685,70 @@ class VLLMBackend:
         text: dict[str, str],
         engine_ids: dict[str, list[int]],
     ) -> VLLMStepOutput:
-        """Batched row selection: drop dead / discarded / placeholder rows."""
-        keep = cap.row_ok & torch.tensor(live, dtype=torch.bool)
-        idx = keep.nonzero().squeeze(1)
-        rows = idx.tolist()
+        """Batched row selection: drop dead / discarded / placeholder rows.
+
+        Critical path: when every row is kept (the common step) the capture's
+        tensors are handed on as they are; otherwise rows are picked with one
+        index per device. Per-request lists and dicts are lazy."""
         n_all = len(cap.req_ids)
-        self.dropped_rows += n_all - len(rows)
-        nst = cap.num_scheduled[idx]
-        qsl = torch.zeros(len(rows) + 1, dtype=torch.int32)
-        qsl[1:] = torch.cumsum(nst, 0)
-        token_keep = (
-            None
-            if len(rows) == n_all
-            else keep[torch.repeat_interleave(torch.arange(n_all), cap.num_scheduled)]
-        )
-        hidden = None
-        if cap.hidden is not None:
-            hidden = cap.hidden if token_keep is None else cap.hidden[token_keep]
-        request_ids = [ext_ids[i] for i in rows]
-        tokens = cap.tokens[idx]
-        new_ids: dict[str, list[int]] = {}
-        deltas: dict[str, str] = {}
+        if cap.all_ok and all(live):
+            request_ids = ext_ids
+            rows: Any = LazyList(lambda: range(n_all))
+            nst, qsl, tokens = cap.num_scheduled, cap.query_start_loc, cap.tokens
+            hidden, codes, extra = cap.hidden, cap.codes, cap.extra
+        else:
+            keep = cap.row_ok & torch.tensor(live, dtype=torch.bool)
+            idx = keep.nonzero().squeeze(1)  # host
+            rows = idx.tolist()
+            self.dropped_rows += n_all - len(rows)
+            request_ids = [ext_ids[i] for i in rows]
+            nst = cap.num_scheduled[idx]
+            qsl = torch.zeros(len(rows) + 1, dtype=torch.int32)
+            qsl[1:] = torch.cumsum(nst, 0)
+            # token rows of the kept requests, in order: [sum(nst)] int64
+            starts = cap.query_start_loc[:-1][idx].to(torch.int64)
+            tok_idx = torch.arange(int(qsl[-1]), dtype=torch.int64) + torch.repeat_interleave(
+                starts - qsl[:-1].to(torch.int64), nst.to(torch.int64)
+            )
+            tokens = cap.tokens[idx]
+            pick = _Picker(idx, tok_idx)
+            hidden = None if cap.hidden is None else pick.tokens(cap.hidden)
+            codes = None if cap.codes is None else pick.rows(cap.codes)
+            extra = {name: pick.tokens(t) for name, t in cap.extra.items()}
+        new_ids: Any = {}
+        deltas: Any = {}
         if not self.is_talker:  # text stage: token ids + text per row, as the engine reports them
-            captured = tokens[:, 0].tolist()
-            new_ids = {
-                rid: engine_ids.get(rid) or [t]
-                for rid, t in zip(request_ids, captured, strict=True)
-            }
-            deltas = {rid: text.get(rid, "") for rid in request_ids}
             if cap.accepted is not None:
                 # speculative decoding: a row may have sampled past the request's
                 # end (the scheduler cuts at max_tokens / stop); its last token
                 # is the last one the engine kept.
+                new_ids = _new_token_ids(request_ids, tokens, engine_ids)
                 tokens = torch.tensor(
                     [[new_ids[rid][-1]] for rid in request_ids], dtype=torch.int64
                 ).reshape(-1, 1)
+            else:
+                step_tokens = tokens
+                new_ids = LazyDict(lambda: _new_token_ids(request_ids, step_tokens, engine_ids))
+            deltas = LazyDict(lambda: {rid: text.get(rid, "") for rid in request_ids})
         mm: dict[str, tuple[torch.Tensor, int]] = {
-            name: (t if token_keep is None else t[token_keep], TENSOR_LAYOUT_PER_TOKEN)
-            for name, t in cap.extra.items()
+            name: (t, TENSOR_LAYOUT_PER_TOKEN) for name, t in extra.items()
         }
-        if cap.codes is not None:
-            mm["codec_codes"] = (cap.codes[idx], TENSOR_LAYOUT_PER_REQUEST)
-        present = set(request_ids)
+        if codes is not None:
+            mm["codec_codes"] = (codes, TENSOR_LAYOUT_PER_REQUEST)
+        done: dict[str, str] = {}
+        if finished:  # rare: a set of this step's ids only then
+            present = set(request_ids)
+            done = {r: why for r, why in finished.items() if r in present}
+        counts = nst
         return VLLMStepOutput(
             request_ids=request_ids,
             batch_indices=rows,
-            num_scheduled_tokens=nst.tolist(),
+            num_scheduled_tokens=LazyList(lambda: counts.tolist()),
             query_start_loc=qsl,
             sampled_token_ids=tokens,
             hidden_states=hidden,
             mm_outputs=mm,
-            finished={r: why for r, why in finished.items() if r in present},
+            finished=done,
             text_deltas=deltas,
             new_token_ids=new_ids,
             engine_step=cap.step_index,

@@ -31,12 +31,16 @@ Install the callback::
     handle.remove()
 
 The callback runs on the critical path of the engine step, in the thread that
-calls ``engine.step()``. Tensors are CPU tensors; ``hidden_states``,
-``sample_hidden_states`` and ``logits`` are the runner's own tensors (fresh
-per step on CPU, no CUDA graphs) -- do not modify them in place;
-``sampled_token_ids`` is the sampler's tensor (with async scheduling the
-runner feeds it into the next step's input ids): read-only too. The small
-metadata tensors are copies. Sampled ids can run past what a request finally
+calls ``engine.step()``. Which side each tensor is on: the small metadata
+(``discard_mask``, ``query_start_loc``, ``num_scheduled_tokens``,
+``num_computed_tokens``, ``num_prompt_tokens``, and ``positions``, computed
+from them when read) is on the host, copied from the runner's host-side
+buffers (no device sync); ``sampled_token_ids``, ``hidden_states``,
+``sample_hidden_states`` and ``logits`` are on the runner's device (the CPU
+on CPU hosts) and are the runner's / sampler's own tensors, not copies -- do
+not modify them in place (with async scheduling the runner feeds the sampled
+ids into the next step's input ids). See :func:`outputs_are_fresh` for how
+long they stay valid. Sampled ids can run past what a request finally
 emits (the scheduler cuts at max_tokens / stop; with speculative decoding
 several ids per row per step): completion is known from RequestOutput. ``logits`` are post-sampler: the sampler divides
 them in place by the temperature and masks top-k/top-p, so recompute
@@ -132,6 +136,7 @@ __all__ = [
     "WorkerCapture",
     "add_worker_extra",
     "is_capturing_rank",
+    "outputs_are_fresh",
     "PINNED_VLLM_VERSION",
 ]
 
@@ -141,22 +146,60 @@ EXTENSION_QUALNAME = f"{__name__}.OmniStepHookExtension"
 log = logging.getLogger(__name__)
 
 
+def outputs_are_fresh(vllm_config: Any) -> bool:
+    """Whether the runner's per-step output tensors (``hidden_states``,
+    ``sample_hidden_states``, ``logits``) are fresh allocations that no later
+    step rewrites, so that a step may keep references to them.
+
+    Why it matters: between the hook of step N and the end of the
+    ``backend.step()`` that returns step N's rows, the forward pass of step
+    N + 1 CAN run. With async scheduling the engine core steps through
+    ``EngineCore.step_with_batch_queue`` (``batch_queue_size =
+    max_concurrent_batches`` = 2, set by make_engine on CPU too): one
+    ``engine.step()`` schedules step N + 1, runs ``execute_model`` and
+    ``sample_tokens`` for it (the in-process ``UniProcExecutor`` runs them in
+    the caller's thread; the hook fires for N + 1), and only then pops step
+    N's future and calls ``update_from_output`` for N (vllm/v1/engine/core.py,
+    ``step_with_batch_queue``: ``batch_queue.appendleft(...)``, then
+    ``batch_queue.pop()`` once the queue is full). So step N's capture
+    (taken in the previous ``engine.step()``) outlives a whole forward pass
+    before its snapshot is taken. With synchronous scheduling (``step``:
+    execute, sample, update in one call) no forward pass runs in between, but
+    on a CUDA host the slot copy is asynchronous (copy stream) and the next
+    step's forward is enqueued before it completes.
+
+    In eager mode (``enforce_eager``, make_engine's default, and always on
+    CPU hosts: the CPU platform captures no CUDA graphs) the model's output
+    is allocated per forward (``GPUModelRunner.execute_model``:
+    ``hidden_states = model_output``, ``sample_hidden_states =
+    hidden_states[logits_indices]``, ``logits = compute_logits(...)``), and
+    the runner drops its own reference in ``sample_tokens``
+    (``execute_model_state = None``): references stay valid. With CUDA
+    graphs the output is the graph's static buffer ("Use persistent buffers
+    for CUDA graphs"), which the next replay rewrites: a step must copy it.
+    """
+    if bool(getattr(vllm_config.model_config, "enforce_eager", False)):
+        return True
+    mode = getattr(vllm_config.compilation_config, "cudagraph_mode", None)
+    return mode is None or str(getattr(mode, "name", mode)).upper() == "NONE"
+
+
 @dataclass(frozen=True)
 class StepCapture:
-    """One engine step, as seen right after sampling. All tensors on CPU."""
+    """One engine step, as seen right after sampling (module docstring: which
+    tensors are on the host and which on the runner's device)."""
 
     step_index: int  # per-runner counter of sampled steps
     req_ids: list[str]  # batch order, len == num_reqs
-    sampled_token_ids: torch.Tensor  # [num_reqs, 1 + num_spec] int32; -1 placeholder
-    discard_mask: torch.Tensor  # [num_reqs] bool; True -> token invalid (partial prefill)
-    query_start_loc: torch.Tensor  # [num_reqs + 1] int32
-    num_scheduled_tokens: torch.Tensor  # [num_reqs] int32
-    num_computed_tokens: torch.Tensor  # [num_reqs] int32, in KV before this step
+    sampled_token_ids: torch.Tensor  # [num_reqs, 1 + num_spec] int32 (device); -1 placeholder
+    discard_mask: torch.Tensor  # [num_reqs] bool (host); True -> token invalid (partial prefill)
+    query_start_loc: torch.Tensor  # [num_reqs + 1] int32 (host)
+    num_scheduled_tokens: torch.Tensor  # [num_reqs] int32 (host)
+    num_computed_tokens: torch.Tensor  # [num_reqs] int32 (host), in KV before this step
     num_prompt_tokens: torch.Tensor  # [num_reqs] int32
-    positions: torch.Tensor  # [num_tokens] int64
-    hidden_states: torch.Tensor  # [num_tokens, hidden] last layer, after final norm
-    sample_hidden_states: torch.Tensor  # [num_sample_rows, hidden]
-    logits: torch.Tensor | None  # [num_sample_rows, vocab], post-sampler (see module doc)
+    hidden_states: torch.Tensor  # [num_tokens, hidden] last layer, after final norm (device)
+    sample_hidden_states: torch.Tensor  # [num_sample_rows, hidden] (device)
+    logits: torch.Tensor | None  # [num_sample_rows, vocab], post-sampler (see module doc; device)
     is_async_output: bool  # sample_tokens returned an AsyncModelRunnerOutput
     output: Any = field(repr=False, default=None)  # ModelRunnerOutput | AsyncModelRunnerOutput
     scheduler_output: Any = field(repr=False, default=None)  # vLLM SchedulerOutput
@@ -175,14 +218,34 @@ class StepCapture:
         return int(self.hidden_states.shape[0])
 
     @property
+    def positions(self) -> torch.Tensor:
+        """[num_tokens] int64 (host): each scheduled token's position, i.e.
+        its request's computed tokens before the step plus its offset in the
+        step (what the runner computes for its 1-D positions; built here when
+        read, not per step)."""
+        import torch
+
+        nst = self.num_scheduled_tokens.to(torch.int64)
+        starts = self.query_start_loc[:-1].to(torch.int64)
+        base = self.num_computed_tokens.to(torch.int64) - starts
+        return torch.arange(int(self.query_start_loc[-1]), dtype=torch.int64) + torch.repeat_interleave(base, nst)
+
+    @property
     def is_decode_only(self) -> bool:
         """Every row scheduled exactly one token (pure decode step)."""
         return bool((self.num_scheduled_tokens == 1).all())
 
     def last_hidden_per_request(self) -> torch.Tensor:
-        """[num_reqs, hidden]: the hidden row of each request's last scheduled
-        token (== sample_hidden_states without speculative decoding)."""
-        return self.hidden_states[self.query_start_loc[1:].long() - 1]
+        """[num_reqs, hidden] (device): the hidden row of each request's last
+        scheduled token (== sample_hidden_states without speculative
+        decoding, where that tensor is returned as is)."""
+        if self.sample_hidden_states.shape[0] == self.num_reqs and not self._has_spec_rows():
+            return self.sample_hidden_states
+        rows = (self.query_start_loc[1:].long() - 1).to(self.hidden_states.device)
+        return self.hidden_states.index_select(0, rows)
+
+    def _has_spec_rows(self) -> bool:
+        return int(self.sampled_token_ids.shape[1]) > 1
 
     def detach_clone(self) -> StepCapture:
         """A copy safe to keep / hand to another thread after the callback."""
@@ -286,7 +349,6 @@ def _attach(runner: Any) -> _RunnerHookState:
         discard = runner.discard_request_mask.cpu[:n].clone()
         num_computed = torch.from_numpy(ib.num_computed_tokens_cpu[:n].copy())
         num_prompt = torch.from_numpy(ib.num_prompt_tokens[:n].copy())
-        positions = runner.positions[:num_tokens].clone()
         state.pending_sampled = None
 
         output = orig_sample_tokens(grammar_output)
@@ -307,7 +369,6 @@ def _attach(runner: Any) -> _RunnerHookState:
             num_scheduled_tokens=(qsl[1:] - qsl[:-1]),
             num_computed_tokens=num_computed,
             num_prompt_tokens=num_prompt,
-            positions=positions,
             hidden_states=ems.hidden_states[:num_tokens],
             sample_hidden_states=ems.sample_hidden_states,
             logits=ems.logits,
@@ -437,7 +498,6 @@ def _capture_in_worker(cap: StepCapture) -> None:
         num_scheduled_tokens=_cpu_copy(cap.num_scheduled_tokens),
         num_computed_tokens=_cpu_copy(cap.num_computed_tokens),
         num_prompt_tokens=_cpu_copy(cap.num_prompt_tokens),
-        positions=_cpu_copy(cap.positions),
         hidden_states=hidden,
         sample_hidden_states=sample_hidden,
         logits=None,
