@@ -346,3 +346,10 @@ class FakeVocoderFactory:
 
     def new_stream(self, voice: str) -> FakeVocoderStream:
         return FakeVocoderStream(self.vocoder, voice, self.left_context)
+
+    def worker_spec(self) -> tuple[str, dict]:
+        """How a code2wav worker process rebuilds this vocoder (factory path, kwargs)."""
+        return (
+            "decoder_svc.fake_engine:FakeVocoderFactory",
+            {"num_codebooks": self.num_codebooks, "codec_vocab": self.codebook_size, "left_context": self.left_context},
+        )

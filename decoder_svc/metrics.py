@@ -81,3 +81,17 @@ REPETITION_STOPS = Counter(
     "omni_decoder_repetition_stops_total",
     "Requests the runaway guard ended (their codec stream kept repeating one short cycle)",
 )
+CODE2WAV_WORKERS = Gauge(
+    "omni_decoder_code2wav_workers",
+    "code2wav worker processes running and ready (0 with the in-thread generation stage)",
+)
+CODE2WAV_RESTARTS = Counter(
+    "omni_decoder_code2wav_worker_restarts_total",
+    "code2wav worker processes that ended unasked and were restarted (their requests failed)",
+)
+CODE2WAV_INLINE_FALLBACKS = Counter(
+    "omni_decoder_code2wav_inline_fallbacks_total",
+    "Codec frames sent to a code2wav worker as bytes in the message instead of an arena slot, "
+    "by reason (no_slot: none free in time; too_large: more than a slot holds)",
+    ["reason"],
+)

@@ -3,7 +3,8 @@
 Threads:
   - one runner per AR stage: the decode loop (critical path);
   - the materializer link's dispatcher/receiver (or in-process builder);
-  - one code2wav worker (generation stage).
+  - code2wav (generation stage): one thread, or worker processes
+    (decoder_svc.code2wav_proc) with one result reader thread each.
 Request outputs go to per-request sinks (the gRPC Generate streams).
 
 No thread dies of an exception: a failure ends the affected requests with an
@@ -30,7 +31,8 @@ import torch
 
 from decoder_svc import metrics
 from decoder_svc.backend import ARBackend, RequestSpec, StepOutput
-from decoder_svc.code2wav import ChunkState
+from decoder_svc.code2wav import ChunkState  # noqa: F401 -- the chunking Code2WavCore runs, named here as before
+from decoder_svc.code2wav_proc import Code2WavCore, Code2WavProcessPool, VocoderSpec
 from decoder_svc.cuda_staging import CudaStaging
 from decoder_svc.guards import GuardDecision, evaluate, log_decision
 from decoder_svc.lengths import (
@@ -53,7 +55,13 @@ from omni_common.errors import (
     OmniError,
     ResourceExhaustedError,
 )
-from omni_common.materialize import build_step, payload_tensors, sources_of
+from omni_common.materialize import (
+    LocalStep,
+    build_local_step,
+    client_payload,
+    payload_tensors,
+    sources_of,
+)
 from omni_common.shm_arena import ShmArena, SlotLease
 from omni_common.tensor_wire import encode_inline
 from omni_serving.v1 import common_pb2, decoder_pb2, materializer_pb2, payload_pb2
@@ -127,8 +135,8 @@ class StageRunner:
     Per step (the critical path):
       1) forward + sample + eager postprocess (the backend's `step`);
       2) async path: copy the routed tensors into a free arena slot and hand
-         a SnapshotMeta to the link (a queue put) -- sync path: build the
-         payloads here and deliver them;
+         a SnapshotMeta to the link (a queue put) -- sync path: slice the
+         payloads here (tensors, `build_local_step`) and deliver them;
       3) loop: the next step launches at once.
 
     Step 2 waits at most `acquire_timeout_s` for a free slot (all held: the
@@ -145,7 +153,7 @@ class StageRunner:
         *,
         arena: ShmArena | None,
         link: MaterializerLink | None,
-        deliver: Callable[[materializer_pb2.MaterializedStep, SnapshotMeta], None],
+        deliver: Callable[[materializer_pb2.MaterializedStep | LocalStep, SnapshotMeta], None],
         downstream: Callable[[list[str]], list[str]],
         on_failure: Callable[[BaseException], None],
         inline_transport: bool = False,
@@ -272,8 +280,12 @@ class StageRunner:
                 self.link.note_slot_wait(leases.waited_s)
             self.link.submit(snap)
             return
-        # synchronous path: build here, from the step's own tensors
-        self.deliver(build_step(meta.view_over(tensors), self.plan), meta)
+        # synchronous path: slice here, from the step's own tensors, and route
+        # the slices as they are (no serialisation; the router copies what it
+        # keeps). Device tensors (CUDA hosts) come to the host first: the
+        # slicing reads values. A host tensor's .cpu() is itself.
+        host = {name: (t.cpu(), layout) for name, (t, layout) in tensors.items()}
+        self.deliver(build_local_step(meta.view_over(host), self.plan), meta)
 
 
 class Code2WavWorker:
@@ -295,12 +307,17 @@ class Code2WavWorker:
         self.on_error = on_error
         self.live = live
         self.vocoder = vocoder
-        self.num_codebooks = int(vocoder.num_codebooks)
-        self.codebook_size = int(vocoder.codebook_size)
+        # the chunking shared with the worker processes (same chunks, same bytes)
+        self._core = Code2WavCore(config.initial_chunk_ramp, config.codec_chunk_frames, vocoder)
+        self.num_codebooks = self._core.num_codebooks
+        self.codebook_size = self._core.codebook_size
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._states: dict[str, ChunkState] = {}
         self._thread = threading.Thread(target=self._loop, name="code2wav", daemon=True)
-        self.chunks = 0
+        self.pids: list[int] = []  # no worker process: it runs on a thread here
+
+    @property
+    def chunks(self) -> int:
+        return self._core.chunks
 
     def start(self) -> None:
         self._thread.start()
@@ -318,14 +335,6 @@ class Code2WavWorker:
     def abort(self, request_id: str) -> None:
         self._queue.put(("abort", request_id, "", None))
 
-    def _state(self, request_id: str, voice: str) -> ChunkState:
-        st = self._states.get(request_id)
-        if st is None:
-            c = self.config
-            st = ChunkState(c.initial_chunk_ramp, c.codec_chunk_frames, self.vocoder.new_stream(voice), self.num_codebooks)
-            self._states[request_id] = st
-        return st
-
     def _loop(self) -> None:
         while True:
             item = self._queue.get()
@@ -333,12 +342,12 @@ class Code2WavWorker:
                 return
             kind, rid, voice, value = item
             if kind == "abort":
-                self._states.pop(rid, None)
+                self._core.drop(rid)
                 continue
             try:
                 self._handle(kind, rid, voice, value)
             except Exception as exc:  # noqa: BLE001 -- fail this request, keep serving the others
-                self._states.pop(rid, None)
+                self._core.drop(rid)
                 metrics.INTERNAL_ERRORS.labels("code2wav").inc()
                 logger.error("code2wav failed for request %s; failing it", rid, exc_info=exc)
                 if self.on_error is not None:
@@ -348,23 +357,9 @@ class Code2WavWorker:
                         logger.exception("failing request %s failed", rid)
 
     def _handle(self, kind: str, rid: str, voice: str, value) -> None:
-        if rid not in self._states and self.live is not None and not self.live(rid):
+        if not self._core.has(rid) and self.live is not None and not self.live(rid):
             return
-        st = self._state(rid, voice)
-        final = kind == "finish"
-        if not final:
-            codes = np.asarray(value).reshape(-1, self.num_codebooks)
-            # an end-of-speech row (codebook 0 outside the codebook) is no frame
-            st.add(codes[codes[:, 0] < self.codebook_size])
-        chunks = st.ready_chunks(final)
-        for i, (start, end) in enumerate(chunks):
-            last = final and i == len(chunks) - 1
-            self.chunks += 1
-            self.emit(rid, st.decode(start, end), last, value if last else "")
-        if final:
-            if not chunks:
-                self.emit(rid, np.zeros(0, dtype=np.float32), True, value)
-            self._states.pop(rid, None)
+        self._core.handle(kind, rid, voice, value, self.emit)
 
 
 class Pipeline:
@@ -388,6 +383,8 @@ class Pipeline:
         prepare: Callable[[RequestSpec], RequestSpec] | None = None,
         settings: DeploymentSettings | None = None,
         options: Options | None = None,
+        code2wav_workers: int = 0,
+        vocoder_spec: VocoderSpec | None = None,
     ) -> None:
         """vocoder: the generation stage's streaming vocoder (``new_stream``,
         ``voices``, ``sample_rate``, ``num_codebooks``, ``codebook_size``);
@@ -399,7 +396,10 @@ class Pipeline:
         acquire_timeout_s: the longest a decode step waits for an arena slot.
         settings: caps, defaults and capabilities (decoder_svc.lengths);
         default: from the engine's facts and `options` (the decoder's
-        length and guard options; None = their defaults)."""
+        length and guard options; None = their defaults). code2wav_workers:
+        0 runs code2wav on a thread here, N > 0 in N worker processes
+        (decoder_svc.code2wav_proc) that rebuild the vocoder from
+        `vocoder_spec` (default: ``vocoder.worker_spec()``)."""
         self.profile = profile
         self.backends = backends
         self.arena = arena
@@ -486,9 +486,18 @@ class Pipeline:
                 options=options,
             )
         self.settings = settings
-        self.code2wav = Code2WavWorker(
-            self.gen_config, self._emit_audio, vocoder=vocoder, on_error=self._fail_audio, live=self._live
-        )
+        if code2wav_workers < 0:
+            raise InvalidArgumentError("code2wav_workers", f"must be >= 0, got {code2wav_workers}")
+        self.code2wav: Code2WavWorker | Code2WavProcessPool
+        if code2wav_workers > 0:  # worker processes: the vocoder off this interpreter
+            self.code2wav = Code2WavProcessPool(
+                self.gen_config, self._emit_audio, vocoder=vocoder, spec=vocoder_spec,
+                shm_prefix=shm_prefix, workers=code2wav_workers, on_error=self._fail_audio, live=self._live,
+            )
+        else:
+            self.code2wav = Code2WavWorker(
+                self.gen_config, self._emit_audio, vocoder=vocoder, on_error=self._fail_audio, live=self._live
+            )
 
     # kept for callers that think in one AR stage
     @property
@@ -652,8 +661,11 @@ class Pipeline:
         ctx.sink(resp)
 
     # -- routing of materialized steps (in step order, per stage) -------------------
-    def _deliver(self, step: materializer_pb2.MaterializedStep, meta: SnapshotMeta) -> None:
-        """Route one materialized step.
+    def _deliver(self, step: materializer_pb2.MaterializedStep | LocalStep, meta: SnapshotMeta) -> None:
+        """Route one materialized step: as the materializer answered it (a
+        MaterializedStep), or built in-process (a LocalStep: tensors viewing
+        the step's slot or the engine's output, which are reused once this
+        returns, so what outlives the call is copied here).
 
         For each request of the step:
           1) text deltas (text stages) go to the client stream;
@@ -663,6 +675,7 @@ class Pipeline:
           4) a finished request moves on: to the next AR stage, to code2wav's
              flush, or it completes.
         """
+        local = isinstance(step, LocalStep)
         next_ar = self._next_ar.get(step.stage_id)
         for req in step.requests:
             ctx = self._context(req.request_id)
@@ -672,19 +685,27 @@ class Pipeline:
             rid = req.request_id
             # 1) + 2)
             delta = meta.text_deltas.get(rid)
-            if (delta is not None and ctx.spec.modality.has_text) or req.client.tensors:
+            has_client = bool(req.client) if local else bool(req.client.tensors)
+            if (delta is not None and ctx.spec.modality.has_text) or has_client:
                 resp = decoder_pb2.GenerateResponse(request_id=rid, stage_id=step.stage_id, metrics=ctx.metrics())
                 if delta is not None and ctx.spec.modality.has_text:
                     resp.text_delta = delta
                     resp.new_token_ids.extend(meta.new_token_ids.get(rid, ()))
-                if req.client.tensors:
+                if has_client and local:  # the only payload that becomes a message: the stream's
+                    client_payload(req.client, into=resp.multimodal_output)
+                elif has_client:
                     resp.multimodal_output.CopyFrom(req.client)
                 self._send(ctx, resp)
             # 3)
-            if req.inter_stage.tensors:
-                tensors = payload_tensors(req.inter_stage)
+            if local:
+                tensors = req.inter_stage
+            else:
+                tensors = payload_tensors(req.inter_stage) if req.inter_stage.tensors else {}
+            if tensors:
                 if next_ar is None:
                     codes = tensors["codec_codes"].numpy()
+                    if local:  # queued for code2wav: the slot it views is reused
+                        codes = codes.copy()
                     self.code2wav.frames(rid, ctx.spec.voice, codes)
                     if ctx.guard is not None and self._loops(ctx.guard, codes):
                         self._end_looping(ctx, step.stage_id)

@@ -74,6 +74,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    default=_env_int("OMNI_REPETITION_MAX_PERIOD", lengths.DEFAULT_REPETITION_MAX_PERIOD),
                    help="runaway guard: the longest cycle, in codec frames, that counts as a loop "
                         f"(default {lengths.DEFAULT_REPETITION_MAX_PERIOD})")
+    p.add_argument("--code2wav-workers", type=int, default=int(os.environ.get("OMNI_CODE2WAV_WORKERS", "1")),
+                   help="code2wav (the vocoder) in this many worker processes; 0 = on a thread of the "
+                        "decoder (default 1)")
     p.add_argument("--metrics-port", type=int, default=int(os.environ.get("OMNI_DECODER_METRICS_PORT", "-1")),
                    help="serve Prometheus /metrics on this port (0 = any free port, -1 = off)")
     p.add_argument("--metrics-host", default=os.environ.get("OMNI_METRICS_HOST", "127.0.0.1"))
@@ -101,7 +104,7 @@ def length_options(args: argparse.Namespace) -> lengths.Options:
 
 
 def build_engine(args: argparse.Namespace, profile) -> tuple[dict, dict]:
-    """(backends by stage name, extra Pipeline arguments: vocoder, prepare)."""
+    """(backends by stage name, extra Pipeline arguments: vocoder, prepare, vocoder_spec)."""
     if args.engine in ("fake", "reference"):
         from decoder_svc.fake_engine import FakeBackend
 
@@ -123,7 +126,14 @@ def build_engine(args: argparse.Namespace, profile) -> tuple[dict, dict]:
     except CheckpointError as exc:
         logger.error("cannot serve the model: %s", exc)
         raise SystemExit(f"decoder: cannot serve the model: {exc}") from exc
-    return engine.backends, {"vocoder": engine.vocoder, "prepare": engine.prepare}
+    # how code2wav worker processes rebuild the vocoder: from the checkpoint directory
+    if hasattr(engine.vocoder, "worker_spec"):
+        spec = engine.vocoder.worker_spec()
+    else:
+        from decoder_svc.qwen3_omni.code2wav import worker_spec
+
+        spec = worker_spec(engine.checkpoint.path, engine.vocoder.voices)
+    return engine.backends, {"vocoder": engine.vocoder, "prepare": engine.prepare, "vocoder_spec": spec}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -149,6 +159,7 @@ def main(argv: list[str] | None = None) -> None:
                 arena=arena,
                 inline_transport=args.inline_transport,
                 in_process_builder=args.in_process_builder,
+                code2wav_workers=args.code2wav_workers,
             )
         except InvalidArgumentError as exc:
             for backend in backends.values():

@@ -279,16 +279,18 @@ def test_compose_stack_recovers_from_each_crash_and_comes_down_clean(project: Pr
         assert "-> 127.0.0.1:" in line, f"published beyond the host's loopback: {line}"
     first = project.speak()
     assert first.returncode == 0, first.stderr[-2000:]
-    (first_arena,) = _shm_names(project, "materializer")
+    # The decoder's segments: its step arena and its code2wav workers' frame arena.
+    first_arenas = set(_shm_names(project, "materializer"))
+    assert len(first_arenas) == 2, first_arenas
 
     checks: dict[str, Callable[[], None]] = {}
 
     def decoder_rejoined() -> None:
-        # The new decoder's arena is in the materializer's /dev/shm, the old one swept,
-        # and its steps go through the materializer (no "unknown region" fallback).
-        arenas = _shm_names(project, "materializer")
-        assert len(arenas) == 1 and arenas != [first_arena], f"{first_arena=} {arenas=}"
-        assert _shm_names(project, "decoder") == arenas
+        # The new decoder's arenas are in the materializer's /dev/shm, the old ones
+        # swept, and its steps go through the materializer (no "unknown region" fallback).
+        arenas = set(_shm_names(project, "materializer"))
+        assert len(arenas) == 2 and arenas.isdisjoint(first_arenas), f"{first_arenas=} {arenas=}"
+        assert set(_shm_names(project, "decoder")) == arenas
         series = _decoder_series(project)
         assert series.get("omni_decoder_steps_total{async}", 0) > 0, series
         assert series.get("omni_decoder_fallback_steps_total", 0) == 0, series

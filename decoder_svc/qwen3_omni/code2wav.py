@@ -45,6 +45,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, fields
 from typing import Any, Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -771,3 +772,51 @@ def random_tensors(
             t = normal(shape, gain * math.prod(shape[1:]) ** -0.5)
         out[prefix + name] = t.float()
     return out
+
+
+# ------------------------------------------------------------ in a code2wav worker
+
+
+class _NumpyStream:
+    """A Code2WavStream behind the generation stage's numpy interface."""
+
+    def __init__(self, stream: Code2WavStream) -> None:
+        self._stream = stream
+
+    def push(self, codes: np.ndarray) -> np.ndarray:
+        t = torch.from_numpy(np.ascontiguousarray(codes, dtype=np.int64))
+        return self._stream.push(t).numpy()
+
+
+class CheckpointVocoder:
+    """The checkpoint's Code2Wav behind the generation stage's streaming
+    interface, built from the checkpoint directory alone (read only): what a
+    code2wav worker process rebuilds from ``worker_spec()``. Same arithmetic
+    as the engine's vocoder: the same tensors, the same stream."""
+
+    def __init__(self, model_dir: str, voices: Sequence[str]) -> None:
+        from decoder_svc.qwen3_omni.checkpoint import OmniCheckpoint
+
+        checkpoint = OmniCheckpoint.open(model_dir)
+        self.model_dir = str(checkpoint.path)
+        self.model = Code2Wav.from_config_and_tensors(checkpoint.code2wav_config, checkpoint.tensors("code2wav."))
+        self.voices = tuple(voices)
+        self.sample_rate = int(getattr(self.model, "sample_rate", SAMPLE_RATE))
+        self.num_codebooks = int(self.model.num_quantizers)
+        self.frames_per_second = self.sample_rate / int(self.model.samples_per_frame)
+        self.codebook_size = int(checkpoint.code2wav_config["codebook_size"])
+
+    def new_stream(self, voice: str) -> _NumpyStream:  # the voice is in the codes already
+        return _NumpyStream(self.model.new_stream())
+
+    def worker_spec(self) -> tuple[str, dict[str, Any]]:
+        return worker_spec(self.model_dir, self.voices)
+
+
+def worker_spec(model_dir: str | Any, voices: Sequence[str]) -> tuple[str, dict[str, Any]]:
+    """How a code2wav worker process rebuilds the vocoder of the checkpoint in
+    `model_dir` (factory path, keyword arguments; nothing of torch pickled)."""
+    return (
+        "decoder_svc.qwen3_omni.code2wav:CheckpointVocoder",
+        {"model_dir": str(model_dir), "voices": [str(v) for v in voices]},
+    )

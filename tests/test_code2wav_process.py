@@ -1,0 +1,488 @@
+"""code2wav in worker processes (decoder_svc.code2wav_proc): the same audio as
+the in-thread worker, frames by arena slots, failure of one worker costs only
+its requests, the caller never waits on a busy worker, nothing left in
+/dev/shm. Real processes, real shared memory; the vocoders are the fake
+engine's (a test double) unless named otherwise."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import threading
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from decoder_svc import metrics
+from decoder_svc.code2wav_proc import Code2WavProcessPool
+from decoder_svc.fake_engine import FakeVocoderFactory
+from decoder_svc.pipeline import Code2WavWorker
+from decoder_svc.profile import load_profile
+from omni_common.shm_arena import list_segments
+
+Q, V = 16, 2048
+READY_S = 120.0  # a worker imports torch and builds its vocoder: slow on a loaded host
+
+
+def gen_config():
+    return load_profile("tts").stages[-1]
+
+
+def fake_vocoder():
+    return FakeVocoderFactory(num_codebooks=Q, codec_vocab=V, left_context=gen_config().codec_left_context_frames)
+
+
+class Collector:
+    """emit/on_error of a code2wav stage: chunks per request, in arrival order."""
+
+    def __init__(self) -> None:
+        self.chunks: dict[str, list[tuple[bytes, bool, str]]] = {}
+        self.errors: dict[str, BaseException] = {}
+        self.error_calls = 0
+        self.cond = threading.Condition()
+
+    def emit(self, rid: str, audio: np.ndarray, last: bool, reason: str) -> None:
+        assert audio.dtype == np.float32
+        with self.cond:
+            self.chunks.setdefault(rid, []).append((audio.tobytes(), last, reason))
+            self.cond.notify_all()
+
+    def on_error(self, rid: str, exc: BaseException) -> None:
+        with self.cond:
+            self.errors[rid] = exc
+            self.error_calls += 1
+            self.cond.notify_all()
+
+    def ended(self, rid: str) -> bool:
+        return rid in self.errors or any(last for _, last, _ in self.chunks.get(rid, ()))
+
+    def wait(self, what, timeout: float = 60.0, why: str = "") -> None:
+        with self.cond:
+            assert self.cond.wait_for(what, timeout), f"timed out waiting: {why}"
+
+    def audio(self, rid: str) -> np.ndarray:
+        return np.frombuffer(b"".join(c for c, _, _ in self.chunks.get(rid, ())), dtype=np.float32)
+
+
+def plan(seed: int, requests: dict[str, tuple[str, int]]) -> list[tuple]:
+    """Interleaved frames()/finish() calls for requests {rid: (voice, frames)}:
+    1-7 frames per call (ramps and chunk edges crossed at varied offsets),
+    now and then an end-of-speech row, then finish."""
+    rng = np.random.default_rng(seed)
+    left = {rid: n for rid, (_, n) in requests.items()}
+    calls = []
+    while left:
+        rid = list(left)[int(rng.integers(len(left)))]
+        voice = requests[rid][0]
+        n = int(min(left[rid], rng.integers(1, 8)))
+        codes = rng.integers(0, V, size=(n, Q), dtype=np.int64)
+        if rng.random() < 0.1:  # an end-of-speech row is no frame
+            codes = np.concatenate([codes, np.full((1, Q), V + 1, dtype=np.int64)])
+        calls.append(("frames", rid, voice, codes))
+        left[rid] -= n
+        if not left[rid]:
+            del left[rid]
+            calls.append(("finish", rid, voice, "stop" if rng.random() < 0.5 else "length"))
+    return calls
+
+
+def drive(stage, calls) -> None:
+    for kind, rid, voice, value in calls:
+        getattr(stage, kind)(rid, voice, value)
+
+
+def thread_reference(calls, vocoder=None) -> tuple[dict, int]:
+    col = Collector()
+    worker = Code2WavWorker(gen_config(), col.emit, vocoder=vocoder or fake_vocoder(), on_error=col.on_error)
+    worker.start()
+    try:
+        drive(worker, calls)
+        rids = {c[1] for c in calls}
+        col.wait(lambda: all(col.ended(r) for r in rids), 120, "thread worker")
+    finally:
+        worker.stop()
+    return col.chunks, worker.chunks
+
+
+def pool(col: Collector, prefix: str, **kw) -> Code2WavProcessPool:
+    kw.setdefault("vocoder", fake_vocoder())
+    return Code2WavProcessPool(gen_config(), col.emit, shm_prefix=prefix, on_error=col.on_error, **kw)
+
+
+def ps_has(pid: int) -> bool:
+    out = subprocess.run(["ps", "-o", "pid=", "-p", str(pid)], capture_output=True, text=True).stdout
+    return out.strip() == str(pid)
+
+
+@pytest.fixture
+def prefix():
+    name = f"omni-c2wtest{os.getpid()}-{time.monotonic_ns() % 10**9}"
+    yield name
+    assert list_segments(name) == [], "a code2wav arena segment was left behind"
+
+
+REQUESTS = {
+    "a": ("default", 3),  # inside the first ramp chunk
+    "b": ("alloy", 40),
+    "c": ("echo", 61),
+    "d": ("nova", 15),  # exactly the ramp
+    "e": ("shimmer", 0),  # finish without a frame
+    "f": ("alloy", 27),
+}
+
+
+def test_worker_processes_give_the_thread_workers_audio_byte_for_byte(prefix):
+    calls = plan(1, REQUESTS)
+    want, want_chunks = thread_reference(calls)
+    col = Collector()
+    p = pool(col, prefix, workers=2)
+    p.start()
+    try:
+        assert p.wait_ready(READY_S), "workers did not come up"
+        pids = p.pids
+        assert len(pids) == 2 and os.getpid() not in pids
+        assert all(ps_has(pid) for pid in pids), pids
+        drive(p, calls)
+        col.wait(lambda: all(col.ended(r) for r in REQUESTS), 60, "pool")
+        assert p.arena.in_use == 0, "slots not given back"
+    finally:
+        p.stop()
+    assert not col.errors
+    assert col.chunks == want  # same chunks, same order, same bytes, same endings
+    assert p.chunks == want_chunks
+    assert p.inline_fallbacks == 0, "default slots hold a step's frames"
+    # and what both produce is the vocoder's whole-sequence decode
+    voc = fake_vocoder().vocoder
+    for rid, (voice, _) in REQUESTS.items():
+        frames = [c for k, r, _, c in calls if k == "frames" and r == rid]
+        codes = np.concatenate(frames) if frames else np.zeros((0, Q), dtype=np.int64)
+        codes = codes[codes[:, 0] < V]
+        whole = voc.decode(codes, 0, voice) if len(codes) else np.zeros(0, np.float32)
+        assert np.array_equal(col.audio(rid), whole), rid
+    assert not any(ps_has(pid) for pid in pids), "workers still running after stop"
+
+
+def test_frames_fall_back_to_bytes_when_no_slot_fits_or_is_free(prefix):
+    calls = plan(2, {"x": ("fable", 30), "y": ("onyx", 22)})
+    want, _ = thread_reference(calls)
+    col = Collector()
+    too_large = metrics.CODE2WAV_INLINE_FALLBACKS.labels("too_large")
+    no_slot = metrics.CODE2WAV_INLINE_FALLBACKS.labels("no_slot")
+    before = (too_large._value.get(), no_slot._value.get())
+    # a slot holds one frame (16 x int64): calls with more go inline
+    p = pool(col, prefix, workers=1, slots=4, slot_bytes=Q * 8, slot_wait_s=0.005)
+    p.start()
+    try:
+        assert p.wait_ready(READY_S)
+        held = [p.arena.acquire(0) for _ in range(4)]  # every slot taken
+        t0 = time.monotonic()
+        p.frames("z", "default", np.zeros((1, Q), dtype=np.int64))
+        assert time.monotonic() - t0 < 1.0, "frames() waited for a slot"
+        assert no_slot._value.get() == before[1] + 1
+        for lease in held:
+            p.arena.release(lease.slot, lease.generation)
+        p.abort("z")
+        drive(p, calls)
+        col.wait(lambda: col.ended("x") and col.ended("y"), 60, "pool")
+    finally:
+        p.stop()
+    multi = sum(1 for k, _, _, c in calls if k == "frames" and c.nbytes > Q * 8)
+    assert multi and too_large._value.get() == before[0] + multi
+    assert p.inline_fallbacks == multi + 1
+    assert {r: col.chunks[r] for r in ("x", "y")} == want
+
+
+def test_sigkill_of_a_worker_fails_only_its_requests_and_it_comes_back(prefix):
+    col = Collector()
+    restarts = metrics.CODE2WAV_RESTARTS._value.get()
+    # as in the pipeline: a request that failed is no longer live
+    p = pool(col, prefix, workers=2, live=lambda rid: rid not in col.errors)
+    p.start()
+    rng = np.random.default_rng(3)
+    try:
+        assert p.wait_ready(READY_S)
+        first = rng.integers(0, V, size=(20, Q), dtype=np.int64)
+        p.frames("on0", "default", first)  # pinned to worker 0 (least loaded, first)
+        p.frames("on1", "alloy", first)  # pinned to worker 1
+        col.wait(lambda: "on0" in col.chunks and "on1" in col.chunks, 60, "first chunks")
+        victim = p._pins["on0"].worker.process.pid
+        survivor = p._pins["on1"].worker.process.pid
+        assert victim != survivor
+        os.kill(victim, signal.SIGKILL)
+        col.wait(lambda: "on0" in col.errors, 30, "the killed worker's request failed")
+        assert "ended" in str(col.errors["on0"])
+        p.abort("on0")  # what the pipeline does when it ends a request
+        # the survivor's request goes on and completes
+        rest = rng.integers(0, V, size=(17, Q), dtype=np.int64)
+        p.frames("on1", "alloy", rest)
+        p.finish("on1", "alloy", "stop")
+        col.wait(lambda: col.ended("on1"), 60, "survivor")
+        assert "on1" not in col.errors
+        want, _ = thread_reference([("frames", "on1", "alloy", first), ("frames", "on1", "alloy", rest),
+                                    ("finish", "on1", "alloy", "stop")])
+        assert col.chunks["on1"] == want["on1"]
+        # frames for the failed request after the failure start nothing
+        p.frames("on0", "default", rest)
+        # the worker is back (a new process) and serves a new request
+        assert p.wait_ready(READY_S), "the killed worker was not restarted"
+        pids = p.pids
+        assert len(pids) == 2 and victim not in pids and survivor in pids
+        assert not ps_has(victim)
+        assert p.restarts == 1 and metrics.CODE2WAV_RESTARTS._value.get() == restarts + 1
+        calls = [("frames", "new", "echo", first), ("finish", "new", "echo", "stop")]
+        drive(p, calls)
+        col.wait(lambda: col.ended("new"), 60, "a request after the restart")
+        assert "new" not in col.errors
+        assert col.chunks["new"] == thread_reference(calls)[0]["new"]
+        assert p._pins.get("new") is None
+        assert set(col.errors) == {"on0"}
+        assert p.arena.in_use == 0, "the killed worker's slots were not reclaimed"
+    finally:
+        p.stop()
+    assert not any(ps_has(pid) for pid in pids)
+
+
+def test_a_vocoder_error_fails_only_that_request(prefix):
+    from tests.fakes.code2wav_vocoders import FakeFailingVocoderFactory
+
+    col = Collector()
+    voc = FakeFailingVocoderFactory(fail_voice="fable", num_codebooks=Q, codec_vocab=V)
+    p = pool(col, prefix, workers=1, vocoder=voc)
+    p.start()
+    try:
+        assert p.wait_ready(READY_S)
+        calls = plan(4, {"bad": ("fable", 20), "good": ("echo", 20)})
+        drive(p, calls)
+        col.wait(lambda: col.ended("bad") and col.ended("good"), 60, "both ended")
+        pid = p.pids
+    finally:
+        p.stop()
+    assert set(col.errors) == {"bad"} and "fake vocoder failure" in str(col.errors["bad"])
+    assert col.error_calls == 1, "a failed request's later frames start nothing"
+    assert col.chunks["good"] == thread_reference(calls)[0]["good"]
+    assert p.restarts == 0 and len(pid) == 1
+
+
+def test_frames_return_at_once_while_the_worker_is_stopped(prefix):
+    """SIGSTOP: the worker reads nothing; its pipe fills, its slots stay held.
+    The AR stage's calls still return at once; after SIGCONT the audio is whole."""
+    calls = plan(5, {f"s{i}": ("default", 300) for i in range(8)})
+    col = Collector()
+    p = pool(col, prefix, workers=1, slots=32)
+    p.start()
+    try:
+        assert p.wait_ready(READY_S)
+        (pid,) = p.pids
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            worst = 0.0
+            for kind, rid, voice, value in calls:
+                t0 = time.perf_counter()
+                getattr(p, kind)(rid, voice, value)
+                worst = max(worst, time.perf_counter() - t0)
+            assert p.arena.in_use == 32, "the stopped worker should hold every slot"
+            assert p.inline_fallbacks > 0
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        print(f"slowest frames()/finish() with the worker stopped: {worst * 1e3:.1f} ms over {len(calls)} calls")
+        assert worst < 0.25, f"a call waited {worst:.3f}s on a stopped worker"
+        col.wait(lambda: all(col.ended(f"s{i}") for i in range(8)), 120, "after SIGCONT")
+    finally:
+        p.stop()
+    assert not col.errors
+    assert col.chunks == thread_reference(calls)[0]
+
+
+def test_stop_kills_a_worker_that_does_not_stop_and_leaves_no_segment(prefix):
+    col = Collector()
+    p = pool(col, prefix, workers=2, stop_timeout_s=0.5)
+    p.start()
+    assert p.wait_ready(READY_S)
+    pids = p.pids
+    assert len(list_segments(prefix)) == 1
+    os.kill(pids[0], signal.SIGSTOP)  # cannot read its stop message
+    t0 = time.monotonic()
+    p.stop()
+    assert time.monotonic() - t0 < 5.0
+    assert not any(ps_has(pid) for pid in pids)
+    assert list_segments(prefix) == []
+
+
+def run_pipeline(prefix: str, code2wav_workers: int, n: int = 6) -> tuple[dict, list[int]]:
+    """A tts batch through the whole pipeline (fake engine, in-process builder)."""
+    from decoder_svc.backend import RequestSpec
+    from decoder_svc.fake_engine import FakeBackend
+    from decoder_svc.pipeline import Pipeline
+    from omni_common.materialize import payload_tensors
+    from omni_common.modality import OutputModality
+
+    profile = load_profile("tts")
+    pipeline = Pipeline(profile, {s.name: FakeBackend(role=s.engine_role) for s in profile.ar_stages},
+                        materializer_target=None, shm_prefix=prefix, arena=None,
+                        code2wav_workers=code2wav_workers)
+    audio: dict[str, list[bytes]] = {}
+    finish: dict[str, str] = {}
+    cond = threading.Condition()
+
+    def sink_for(rid):
+        def sink(resp):
+            assert not isinstance(resp, Exception), resp
+            if resp.multimodal_output.tensors:
+                audio.setdefault(rid, []).append(payload_tensors(resp.multimodal_output)["audio"].numpy().tobytes())
+            if resp.finished:
+                with cond:
+                    finish[rid] = resp.finish_reason
+                    cond.notify_all()
+        return sink
+
+    pipeline.start()
+    try:
+        assert code2wav_workers == 0 or pipeline.code2wav.wait_ready(READY_S)
+        pids = list(pipeline.code2wav.pids)
+        for i in range(n):
+            pipeline.submit(RequestSpec(request_id=f"r{i}", prompt=f"request {i} says hello", seed=7 + i,
+                                        voice=("default", "alloy", "echo")[i % 3],
+                                        modality=OutputModality.from_string("audio")), sink_for(f"r{i}"))
+        with cond:
+            assert cond.wait_for(lambda: len(finish) == n, 120), finish
+    finally:
+        pipeline.stop()
+    return {rid: (b"".join(audio.get(rid, [])), finish[rid]) for rid in finish}, pids
+
+
+def test_the_pipeline_speaks_the_same_with_worker_processes(prefix):
+    want, none = run_pipeline(prefix, 0)
+    got, pids = run_pipeline(prefix, 2)
+    assert none == [] and len(pids) == 2
+    assert all(len(a) > 0 for a, _ in want.values())
+    assert got == want
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    """The tiny Qwen3-Omni checkpoint: the model cache's, else one written here (seconds)."""
+    from decoder_svc.qwen3_omni.cache import default_model_dir
+
+    cached = default_model_dir(create=False)
+    if cached.is_dir():
+        return cached
+    pytest.importorskip("transformers")
+    import omni_common  # noqa: F401 -- torchvision shim before transformers
+    from decoder_svc.qwen3_omni.tiny import create_tiny_checkpoint
+
+    return create_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "qwen3-omni-tiny")
+
+
+@pytest.mark.parametrize("threads", [1, 0], ids=["one_thread", "parents_threads"])
+def test_neural_code2wav_in_a_worker_gives_the_engines_audio_byte_for_byte(prefix, tiny_checkpoint, threads):
+    """The checkpoint's Code2Wav, rebuilt in the worker from the directory
+    alone, against the engine's vocoder on the decoder's thread, both with
+    the same intra-op thread count (1: the workers' default; or the
+    parent's): a different count may round differently in the last bits."""
+    pytest.importorskip("vllm")
+    from decoder_svc.qwen3_omni.checkpoint import OmniCheckpoint
+    from decoder_svc.qwen3_omni.code2wav import worker_spec
+    from decoder_svc.qwen3_omni.engine import NeuralVocoder
+
+    ckpt = OmniCheckpoint.open(tiny_checkpoint)
+    engine_vocoder = NeuralVocoder(ckpt, ("ethan", "chelsie"))
+    stamp = sorted((f.name, f.stat().st_mtime_ns) for f in tiny_checkpoint.iterdir())
+    rng = np.random.default_rng(6)
+    q, v = engine_vocoder.num_codebooks, engine_vocoder.codebook_size
+    calls = []
+    for rid, n in (("n0", 9), ("n1", 33)):
+        codes = rng.integers(0, v, size=(n, q), dtype=np.int64)
+        calls += [("frames", rid, "ethan", codes[:4]), ("frames", rid, "ethan", codes[4:])]
+    calls.insert(2, ("frames", "n2", "chelsie", rng.integers(0, v, size=(16, q), dtype=np.int64)))
+    calls += [("finish", r, "ethan", "stop") for r in ("n0", "n1", "n2")]
+    parents = torch.get_num_threads()
+    threads = threads or parents
+    torch.set_num_threads(threads)
+    try:
+        want, _ = thread_reference(calls, engine_vocoder)
+    finally:
+        torch.set_num_threads(parents)
+    col = Collector()
+    p = pool(col, prefix, workers=2, vocoder=engine_vocoder, torch_threads=threads,
+             spec=worker_spec(tiny_checkpoint, engine_vocoder.voices))
+    p.start()
+    try:
+        assert p.wait_ready(READY_S)
+        drive(p, calls)
+        col.wait(lambda: all(col.ended(r) for r in ("n0", "n1", "n2")), 120, "neural pool")
+    finally:
+        p.stop()
+    assert not col.errors
+    assert all(col.audio(r).size for r in ("n0", "n1", "n2"))
+    assert col.chunks == want
+    assert sorted((f.name, f.stat().st_mtime_ns) for f in tiny_checkpoint.iterdir()) == stamp, "checkpoint written"
+
+
+def _children(pid: int) -> set[int]:
+    """The decoder's code2wav workers (spawned children; not the stdlib's resource tracker)."""
+    out = subprocess.run(["ps", "-ww", "-o", "pid=,args=", "--ppid", str(pid)], capture_output=True, text=True).stdout
+    return {int(line.split()[0]) for line in out.splitlines() if "spawn_main" in line}
+
+
+def _speak_at_decoder(target: str, rid: str) -> tuple[bytes, str]:
+    import grpc
+
+    from omni_common.materialize import payload_tensors
+    from omni_serving.v1 import common_pb2, decoder_pb2, decoder_pb2_grpc, payload_pb2
+
+    req = decoder_pb2.GenerateRequest(request_id=rid, prompt="the workers speak for the decoder", voice="echo",
+                                      sampling_params=common_pb2.SamplingParams(seed=11),
+                                      output_modalities=[payload_pb2.OUTPUT_MODALITY_AUDIO])
+    audio, reason = [], ""
+    with grpc.insecure_channel(target) as ch:
+        for resp in decoder_pb2_grpc.DecoderServiceStub(ch).Generate(req, timeout=120):
+            if resp.multimodal_output.tensors:
+                audio.append(payload_tensors(resp.multimodal_output)["audio"].numpy().tobytes())
+            if resp.finished:
+                reason = resp.finish_reason
+    return b"".join(audio), reason
+
+
+@pytest.mark.e2e
+def test_decoder_with_code2wav_workers_survives_a_killed_worker_and_stops_clean(tmp_path):
+    import sys
+
+    from omni_common.server import wait_for_health_sync
+
+    deployment = f"c2we2e{os.getpid()}"
+    target = f"unix://{tmp_path / 'd.sock'}"
+    log = (tmp_path / "decoder.log").open("wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "decoder_svc", "--listen", target, "--engine", "fake", "--profile", "tts",
+         "--deployment", deployment, "--in-process-builder", "--code2wav-workers", "2", "--log-level", "INFO"],
+        stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+    )
+    try:
+        wait_for_health_sync(target, 120)
+        first, reason = _speak_at_decoder(target, "e1")
+        assert first and reason, "no audio"
+        workers = _children(proc.pid)
+        assert len(workers) == 2, f"code2wav workers of the decoder: {workers}"
+        victim = min(workers)
+        os.kill(victim, signal.SIGKILL)
+        deadline = time.monotonic() + READY_S
+        while time.monotonic() < deadline and len(_children(proc.pid) - {victim}) < 2:
+            time.sleep(0.2)
+        now = _children(proc.pid)
+        assert len(now) == 2 and victim not in now, f"not restarted: {now}"
+        again, reason2 = _speak_at_decoder(target, "e2")
+        assert (again, reason2) == (first, reason), "audio differs after the restart"
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(30) == 0
+        assert not any(ps_has(pid) for pid in now), "workers outlived the decoder"
+        assert list_segments(f"omni-{deployment}") == []
+        assert b"code2wav worker 0" in (tmp_path / "decoder.log").read_bytes() or b"code2wav worker 1" in (
+            tmp_path / "decoder.log").read_bytes()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        log.close()
