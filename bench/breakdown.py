@@ -61,7 +61,7 @@ def instrumented(counters: Counters):
 
     patches = [
         (pipeline_mod, "meta_of"), (pipeline_mod, "step_tensors"), (pipeline_mod, "take_snapshot"),
-        (pipeline_mod, "view_from_tensors"), (SnapshotMeta, "view_over"), (pipeline_mod, "build_step"),
+        (pipeline_mod, "view_from_tensors"), (SnapshotMeta, "view_over"), (pipeline_mod, "build_local_step"),
         (Pipeline, "_downstream"), (Pipeline, "_deliver"), (MaterializerLink, "submit"),
         (ShmArena, "acquire"), (SlotLease, "write"), (SlotLease, "mark_ready"),
     ]

@@ -1,17 +1,31 @@
-"""e2e: the tts profile through the gateway, async (materializer) vs sync.
+"""e2e: the tts profile through the gateway: async (materializer) vs sync vs
+thread (the in-process background builder).
 
-Two stacks of the real three services (`omni_cli.launcher.Stack`) run side by
-side: one with the materializer (async output path), one with
-`StackConfig(sync=True)` (payloads built in the decode step). Both are warmed
-up, then for every concurrency level the same N prompts (each with its own
-fixed seed) go through each stack's gateway (`Speak`, gRPC) with a
-closed-loop client pool of that concurrency; the order of the two stacks
-alternates between levels.
+Three stacks of the real services (`omni_cli.launcher.Stack`) run side by
+side: `async` with the materializer (snapshots to shared memory, payloads
+built in its own process), `sync` with `StackConfig(sync=True)` (payloads
+built in the decode step), and `thread`, the seed's design: no materializer,
+the decoder started with `--in-process-builder` (snapshots into the arena,
+payloads built as tensors on a background thread of the decoder process).
+All are warmed up, then for every concurrency level the same N prompts
+(each with its own fixed seed) go through each stack's gateway (`Speak`,
+gRPC) with a closed-loop client pool of that concurrency; the order of the
+stacks rotates between levels.
 
 Per level and stack: request throughput, TTFP (client side: request sent ->
 first non-empty audio chunk) p50/p99, RTF (request wall time / audio
-duration) p50/p99, audio seconds per wall second, and the sha256 of every
-request's PCM, compared between the stacks.
+duration) p50/p99, audio seconds per wall second, CPU per request per
+service, and the sha256 of every request's PCM, compared across the three
+stacks. At the top level a probe calls the decoder's `GetDecoderInfo` every
+`probe_interval_s` meanwhile: its latency is how responsive the decoder's
+gRPC front stays under full load.
+
+The `omni` variant then runs the omni profile (thinker -> talker ->
+code2wav; the thinker routes its hidden states to the talker, a heavy
+payload) in the same three modes through `Generate` ("text+audio") and
+records per request when the thinker finished (its last text delta arrived)
+and when the first audio chunk arrived: whether first audio comes before
+the thinker is done. Text and audio hashes are compared across the modes.
 
 `replicas` (`--replicas N`) runs both stacks with N decoder + materializer
 pairs behind their gateway; `failover` (`--failover`, needs N >= 2) then
@@ -22,8 +36,10 @@ until requests succeed again (see `failover`).
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import hashlib
+import math
 import os
 import signal
 import threading
@@ -51,7 +67,11 @@ from bench.common import (
     write_json,
 )
 
-MODES = ("async", "sync")
+MODES = ("async", "sync", "thread")
+# the decoder flag of the thread mode (a stack without a materializer)
+THREAD_ARGS = ("--in-process-builder",)
+# the levels the throughput and CPU targets are judged at (not run: not measured)
+TARGET_LEVELS = (16, 64)
 SAMPLE_RATE = 24_000
 TEXTS = (
     "Hello there, this is a short test of the speech service.",
@@ -79,13 +99,18 @@ class E2EConfig:
     replicas: int = 1  # decoder + materializer pairs per stack
     failover: bool = False  # SIGKILL one decoder of the async stack under load (replicas >= 2)
     failover_concurrency: int = 4
+    probe_interval_s: float = 0.02  # GetDecoderInfo probe under load (top level)
+    omni: bool = True  # the omni variant (thinker -> talker -> code2wav)
+    omni_text_tokens: int = 32  # thinker tokens per omni request
+    omni_audio_frames: int = 32  # codec frames per omni request (its max_audio_seconds)
 
     @classmethod
     def for_run(cls, quick: bool, engine: str = "auto", model_dir: str = "", replicas: int = 1,
                 failover: bool = False, concurrency: tuple[int, ...] = (), requests: int = 0) -> E2EConfig:
         if quick:
             cfg = cls(quick=True, engine="fake" if engine == "auto" else engine, concurrency=(1, 4),
-                      prompts={1: 3, 4: 8}, max_tokens=16, warmup_max_tokens=16, model_dir=model_dir)
+                      prompts={1: 3, 4: 8}, max_tokens=16, warmup_max_tokens=16, model_dir=model_dir,
+                      omni_text_tokens=16, omni_audio_frames=16)
         else:
             cfg = cls(engine="vllm" if engine == "auto" else engine, model_dir=model_dir)
         cfg.replicas, cfg.failover = replicas, failover
@@ -154,7 +179,52 @@ class Client:
             "server_ttfp_ms": m.ttfp_ms if m else None, "server_rtf": m.rtf if m else None,
         }
 
-    def run_level(self, indices: list[int], concurrency: int, max_tokens: int, tag: str, bar=None) -> list[dict[str, Any]]:  # noqa: ANN001
+    def generate(self, i: int, max_tokens: int, tag: str) -> dict[str, Any]:
+        """One omni request (Generate, "text+audio", delta outputs): when its
+        thinker finished (the last text delta arrived) and when its first
+        audio chunk arrived, and the hashes of its text and audio."""
+        from omni_serving.v1 import common_pb2, gateway_pb2
+
+        text, seed = prompt(i)
+        req = gateway_pb2.OmniGatewayServiceGenerateRequest(
+            request_id=f"{tag}-{i}", prompt=text, output_modalities="text+audio",
+            output_kind=gateway_pb2.OUTPUT_KIND_DELTA,
+            sampling_params=common_pb2.SamplingParams(
+                seed=seed, max_tokens=max_tokens, temperature=self.cfg.temperature, top_p=self.cfg.top_p,
+                max_audio_seconds=self.cfg.omni_audio_frames / 12.5))
+        t0 = time.perf_counter()
+        first_audio = last_text = None
+        text_hash, pcm = hashlib.sha256(), hashlib.sha256()
+        nbytes = 0
+        for resp in self.stub.Generate(req, timeout=600):
+            out = resp.output
+            now = time.perf_counter()
+            if out.text.text or out.text.token_ids:
+                last_text = now
+                text_hash.update(out.text.text.encode())
+            for nt in out.multimodal.tensors:
+                if nt.name == "audio" and nt.tensor.inline_data:
+                    if first_audio is None:
+                        first_audio = now
+                    pcm.update(nt.tensor.inline_data)
+                    nbytes += len(nt.tensor.inline_data)
+        t1 = time.perf_counter()
+        nan = float("nan")
+        return {
+            "index": i, "start": t0, "end": t1, "wall_s": t1 - t0,
+            "thinker_done_s": (last_text - t0) if last_text else nan,
+            "first_audio_s": (first_audio - t0) if first_audio else nan,
+            # > 0: the first audio came this long before the thinker finished
+            "audio_lead_s": (last_text - first_audio) if last_text and first_audio else nan,
+            "sha256": hashlib.sha256(text_hash.digest() + pcm.digest()).hexdigest(),
+            "text_sha256": text_hash.hexdigest(), "audio_sha256": pcm.hexdigest(), "audio_bytes": nbytes,
+        }
+
+    def run_level(self, indices: list[int], concurrency: int, max_tokens: int, tag: str, bar=None,  # noqa: ANN001
+                  call: str = "speak") -> list[dict[str, Any]]:
+        """Closed loop: `concurrency` clients send the prompts `indices` (Speak,
+        or Generate for call="generate") until none is left."""
+        send = self.speak if call == "speak" else self.generate
         lock = threading.Lock()
         todo = list(indices)
         out: list[dict[str, Any]] = []
@@ -165,7 +235,7 @@ class Client:
                     if not todo:
                         return
                     i = todo.pop(0)
-                r = self.speak(i, max_tokens, tag)
+                r = send(i, max_tokens, tag)
                 with lock:
                     out.append(r)
                 if bar is not None:
@@ -181,6 +251,64 @@ class Client:
         self.channel.close()
 
 
+class InfoProbe:
+    """Calls the decoder's GetDecoderInfo every `interval_s` on a thread
+    (one channel, kept open) and records each call's latency: how quickly
+    the decoder's gRPC front answers while its stages are busy."""
+
+    def __init__(self, target: str, interval_s: float) -> None:
+        import grpc
+
+        from omni_serving.v1 import decoder_pb2_grpc
+
+        self.interval_s = interval_s
+        self.channel = grpc.insecure_channel(target)
+        self.stub = decoder_pb2_grpc.DecoderServiceStub(self.channel)
+        self.latencies_s: list[float] = []
+        self.errors = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="info-probe", daemon=True)
+
+    def _run(self) -> None:
+        import grpc
+
+        from omni_serving.v1 import decoder_pb2
+
+        while not self._stop.is_set():
+            t0 = time.perf_counter()
+            try:
+                self.stub.GetDecoderInfo(decoder_pb2.GetDecoderInfoRequest(), timeout=10)
+                self.latencies_s.append(time.perf_counter() - t0)
+            except grpc.RpcError:
+                self.errors += 1
+            self._stop.wait(self.interval_s)
+
+    def __enter__(self) -> InfoProbe:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=15)
+        self.channel.close()
+
+    def result(self) -> dict[str, Any]:
+        return {"latency_ms": summary(self.latencies_s, 1e3), "errors": self.errors,
+                "interval_ms": self.interval_s * 1e3}
+
+
+def stack_config(mode: str, cfg: E2EConfig, model_dir: str, profile: str = "tts") -> Any:
+    """The StackConfig of a mode: async = with the materializer; sync = none,
+    payloads built in the decode step; thread = none, payloads built on the
+    decoder's background builder thread."""
+    from omni_cli.launcher import StackConfig
+
+    return StackConfig(profile=profile, engine=cfg.engine, model=model_dir, sync=mode != "async",
+                       extra_decoder_args=list(THREAD_ARGS) if mode == "thread" else [],
+                       port=0, http_port=0, deployment=f"bench{profile}{mode}{os.getpid()}", log_level="WARNING",
+                       replicas=cfg.replicas if profile == "tts" else 1, restart_backoff=0.2)
+
+
 def decoder_info(target: str) -> dict[str, Any]:
     import grpc
 
@@ -188,9 +316,11 @@ def decoder_info(target: str) -> dict[str, Any]:
 
     with grpc.insecure_channel(target) as ch:
         info = decoder_pb2_grpc.DecoderServiceStub(ch).GetDecoderInfo(decoder_pb2.GetDecoderInfoRequest(), timeout=30)
-    talker = info.stages[0]
+    stages = [{"name": st.name, "output_path": decoder_pb2.OutputPath.Name(st.output_path), "reason": st.reason,
+               "steps": st.steps} for st in info.stages]
+    talker = next((st for st in info.stages if st.name == "talker"), info.stages[0])
     return {
-        "engine": info.engine, "profile": info.profile,
+        "engine": info.engine, "profile": info.profile, "stages": stages,
         "talker_output_path": decoder_pb2.OutputPath.Name(talker.output_path), "talker_reason": talker.reason,
         "talker_steps": talker.steps, "materializer_connected": info.materializer_connected,
         "fallback_steps": info.fallback_steps, "finished_requests": info.finished_requests,
@@ -260,7 +390,7 @@ def _ensure_models(cfg: E2EConfig) -> str:
 
 def run(cfg: E2EConfig, out_dir: Path) -> SuiteResult:
     out_dir.mkdir(parents=True, exist_ok=True)
-    from omni_cli.launcher import Stack, StackConfig
+    from omni_cli.launcher import Stack
 
     note = ""
     if cfg.engine == "vllm":
@@ -276,15 +406,15 @@ def run(cfg: E2EConfig, out_dir: Path) -> SuiteResult:
     clients: dict[str, Client] = {}
     levels: dict[int, dict[str, Any]] = {}
     infos: dict[str, Any] = {}
+    probes: dict[str, Any] = {}
     failover_result: dict[str, Any] | None = None
     leftovers: dict[str, list[str]] = {}
     windows: dict[str, dict[str, int]] = {}
+    top = max(cfg.concurrency)
     try:
         with progress(len(MODES), "e2e: starting stacks", "stack") as bar:
             for mode in MODES:
-                s = Stack(StackConfig(profile="tts", engine=cfg.engine, model=model_dir, sync=mode == "sync",
-                                      port=0, http_port=0, deployment=f"bench{mode}{os.getpid()}", log_level="WARNING",
-                                      replicas=cfg.replicas, restart_backoff=0.2))
+                s = Stack(stack_config(mode, cfg, model_dir))
                 stacks[mode] = s
                 s.start(timeout_s=300)
                 for svc in s.services:
@@ -292,7 +422,6 @@ def run(cfg: E2EConfig, out_dir: Path) -> SuiteResult:
                     sampler.add(f"{mode}/{svc.name}", svc.proc.pid)
                 clients[mode] = Client(s.gateway_target, cfg)
                 bar.update(1)
-        top = max(cfg.concurrency)
         with progress(len(MODES) * top, "e2e: warm-up", "req") as bar:
             for mode in MODES:
                 clients[mode].run_level(list(range(top)), top, cfg.warmup_max_tokens, f"warm-{mode}", bar)
@@ -300,15 +429,19 @@ def run(cfg: E2EConfig, out_dir: Path) -> SuiteResult:
         sampler.mark("after_warmup")
         for k, c in enumerate(cfg.concurrency):
             n = cfg.prompts[c]
-            order = MODES if k % 2 == 0 else tuple(reversed(MODES))
+            order = MODES[k % len(MODES):] + MODES[: k % len(MODES)]  # each level starts elsewhere
             levels[c] = {}
             for mode in order:
                 with progress(n, f"e2e: {mode} c={c}", "req") as bar:
+                    probe = InfoProbe(stacks[mode].decoder_target, cfg.probe_interval_s) if c == top else None
                     cpu0 = cpu_snapshot(stacks[mode])
                     t0 = sampler.now()
-                    reqs = clients[mode].run_level(list(range(n)), c, cfg.max_tokens, f"c{c}-{mode}", bar)
+                    with probe or contextlib.nullcontext():
+                        reqs = clients[mode].run_level(list(range(n)), c, cfg.max_tokens, f"c{c}-{mode}", bar)
                     t1 = sampler.now()
                     cpu1 = cpu_snapshot(stacks[mode])
+                if probe is not None:
+                    probes[mode] = probe.result()
                 summ = level_summary(reqs)
                 summ["cpu"] = cpu_report(cpu0, cpu1, t1 - t0, n)
                 levels[c][mode] = {"summary": summ, "requests": reqs}
@@ -333,14 +466,9 @@ def run(cfg: E2EConfig, out_dir: Path) -> SuiteResult:
                 sampler.remove(f"{mode}/{svc.name}")  # (a no-op for a name removed before)
             leftovers[mode] = s.stop()
         sampler.stop()
-    hashes = []
-    for c, lv in levels.items():
-        a = {r["index"]: r["sha256"] for r in lv["async"]["requests"]}
-        s = {r["index"]: r["sha256"] for r in lv["sync"]["requests"]}
-        for i in sorted(a):
-            hashes.append({"concurrency": c, "index": i, "async": a[i], "sync": s.get(i), "equal": a[i] == s.get(i)})
+    omni = run_omni(cfg, model_dir) if cfg.omni else None
+    hashes = compare_hashes({c: {m: lv[m]["requests"] for m in MODES} for c, lv in levels.items()})
     idle = sampler.marks.get("after_warmup", {}).get("async/materializer")
-    top = max(cfg.concurrency)
     mat_peak_top = windows.get(f"c{top}/async", {}).get("async/materializer")
     memory = {
         "processes": growth_report(sampler),
@@ -350,27 +478,99 @@ def run(cfg: E2EConfig, out_dir: Path) -> SuiteResult:
         "arena": {m: infos[m]["arena"] for m in infos},
         "shm_segments_left_after_stop": leftovers,
     }
-    targets = e2e_targets(levels, hashes, memory, top)
+    level_data = {str(c): {m: lv[m]["summary"] for m in MODES} for c, lv in levels.items()}
+    targets = e2e_targets(level_data, hashes, memory, top, probes, omni)
     data = {
         "suite": "e2e", "quick": cfg.quick, "engine": cfg.engine, "engine_note": note, "model_dir": model_dir,
         "config": dataclasses.asdict(cfg), "machine": machine_info(),
-        "levels": {str(c): {m: lv[m]["summary"] for m in MODES} for c, lv in levels.items()},
+        "levels": level_data,
         "requests": {str(c): {m: lv[m]["requests"] for m in MODES} for c, lv in levels.items()},
-        "hashes": hashes, "decoder_info": infos, "memory": memory, "targets": targets_json(targets),
+        "hashes": hashes, "decoder_info": infos, "info_probe": {"concurrency": top, **probes},
+        "omni": omni, "memory": memory, "targets": targets_json(targets),
         "replicas": cfg.replicas, "failover": failover_result,
     }
     write_json(out_dir / "results.json", data)
-    (out_dir / "hashes.txt").write_text("".join(
-        f"c={h['concurrency']} #{h['index']} async={h['async']} sync={h['sync']} {'equal' if h['equal'] else 'DIFFERENT'}\n"
-        for h in hashes))
-    for h in hashes:
-        print(f"sha256 c={h['concurrency']:<3} #{h['index']:<4} async={h['async'][:16]} sync={(h['sync'] or '')[:16]} "
-              f"{'equal' if h['equal'] else 'DIFFERENT'}", flush=True)
+    all_hashes = hashes + (omni["hashes"] if omni else [])
+    (out_dir / "hashes.txt").write_text("".join(hash_line(h, 64) + "\n" for h in all_hashes))
+    for h in all_hashes:
+        print("sha256 " + hash_line(h, 16), flush=True)
     plot(data, out_dir)
     plot_memory(sampler, out_dir / "memory.png", "e2e: RSS per service")
     md = markdown(data, targets)
     (out_dir / "results.md").write_text(md)
     return SuiteResult("e2e", out_dir, data, targets, md)
+
+
+def compare_hashes(by_level: dict[Any, dict[str, list[dict[str, Any]]]], profile: str = "tts") -> list[dict[str, Any]]:
+    """Per level and prompt, each mode's sha256; equal when all modes agree
+    (a mode that has no result for the prompt makes it unequal)."""
+    out = []
+    for c, per_mode in by_level.items():
+        got = {m: {r["index"]: r["sha256"] for r in reqs} for m, reqs in per_mode.items()}
+        indices = sorted(set().union(*(g.keys() for g in got.values())))
+        for i in indices:
+            row: dict[str, Any] = {"profile": profile, "concurrency": c, "index": i}
+            row.update({m: got[m].get(i) for m in MODES})
+            values = [row[m] for m in MODES]
+            row["equal"] = None not in values and len(set(values)) == 1
+            out.append(row)
+    return out
+
+
+def hash_line(h: dict[str, Any], digits: int) -> str:
+    modes = " ".join(f"{m}={(h.get(m) or '-')[:digits]}" for m in MODES)
+    return f"{h['profile']} c={h['concurrency']} #{h['index']} {modes} {'equal' if h['equal'] else 'DIFFERENT'}"
+
+
+def run_omni(cfg: E2EConfig, model_dir: str) -> dict[str, Any]:
+    """The omni profile in every mode, one stack at a time: warm-up, then the
+    top concurrency level through Generate ("text+audio")."""
+    from omni_cli.launcher import Stack
+
+    c = max(cfg.concurrency)
+    n = cfg.prompts[c]
+    per_mode: dict[str, list[dict[str, Any]]] = {}
+    result: dict[str, Any] = {"concurrency": c, "requests": n, "text_tokens": cfg.omni_text_tokens,
+                              "audio_frames": cfg.omni_audio_frames, "modes": {}, "decoder_info": {},
+                              "shm_segments_left_after_stop": {}}
+    for mode in MODES:
+        stack = Stack(stack_config(mode, cfg, model_dir, profile="omni"))
+        client = None
+        try:
+            with progress(None, f"e2e omni: starting {mode}", "stack"):
+                stack.start(timeout_s=300)
+            client = Client(stack.gateway_target, cfg)
+            with progress(c + n, f"e2e omni: {mode} c={c}", "req") as bar:
+                client.run_level(list(range(c)), c, cfg.omni_text_tokens, f"omni-warm-{mode}", bar, call="generate")
+                cpu0 = cpu_snapshot(stack)
+                t0 = time.perf_counter()
+                reqs = client.run_level(list(range(n)), c, cfg.omni_text_tokens, f"omni-{mode}", bar,
+                                        call="generate")
+                wall = time.perf_counter() - t0
+                cpu1 = cpu_snapshot(stack)
+            per_mode[mode] = reqs
+            result["decoder_info"][mode] = decoder_info(stack.decoder_target)
+            result["modes"][mode] = {**omni_summary(reqs), "cpu": cpu_report(cpu0, cpu1, wall, n)}
+        finally:
+            if client is not None:
+                client.close()
+            result["shm_segments_left_after_stop"][mode] = stack.stop()
+    result["per_request"] = per_mode
+    result["hashes"] = compare_hashes({c: per_mode}, profile="omni")
+    return result
+
+
+def omni_summary(reqs: list[dict[str, Any]]) -> dict[str, Any]:
+    leads = [r["audio_lead_s"] for r in reqs if math.isfinite(r["audio_lead_s"])]
+    wall = max(r["end"] for r in reqs) - min(r["start"] for r in reqs)
+    return {
+        "requests": len(reqs), "wall_s": wall, "throughput_rps": len(reqs) / wall,
+        "thinker_done_ms": summary([r["thinker_done_s"] for r in reqs], 1e3),
+        "first_audio_ms": summary([r["first_audio_s"] for r in reqs], 1e3),
+        "audio_lead_ms": summary(leads, 1e3),
+        "first_audio_before_thinker_done": sum(1 for v in leads if v > 0),
+        "with_text_and_audio": len(leads),
+    }
 
 
 def failover(stack: Any, cfg: E2EConfig, settle_s: float = 3.0) -> dict[str, Any]:
@@ -449,28 +649,73 @@ def failover(stack: Any, cfg: E2EConfig, settle_s: float = 3.0) -> dict[str, Any
     return out
 
 
-def e2e_targets(levels, hashes, memory, top: int):  # noqa: ANN001
-    lv = levels.get(top, {})
-    a, s = lv.get("async", {}).get("summary"), lv.get("sync", {}).get("summary")
-    thr = ratio(a["throughput_rps"], s["throughput_rps"]) if a and s else None
+def e2e_targets(levels: dict[str, dict[str, Any]], hashes, memory, top: int,  # noqa: ANN001
+                probes: dict[str, Any] | None = None, omni: dict[str, Any] | None = None):
+    """The targets, from the per-level summaries (keyed by str(concurrency)).
+    Levels a target names but the run did not include are "not measured"."""
+    def level(c: int, mode: str) -> dict[str, Any] | None:
+        return levels.get(str(c), {}).get(mode)
+
+    def decoder_cpu(c: int, mode: str) -> float | None:
+        lv = level(c, mode)
+        return ((lv or {}).get("cpu") or {}).get("cpu_ms_per_request_by_role", {}).get("decoder")
+
+    targets = []
+    for c in TARGET_LEVELS:
+        a, s, t = level(c, "async"), level(c, "sync"), level(c, "thread")
+        at = f"concurrency {c}" + ("" if a else " (not run)")
+        targets += [
+            check("e2e throughput: async / sync", ratio(a["throughput_rps"], s["throughput_rps"]) if a and s else None,
+                  ">= 1.0x", lambda v: v >= 1.0, "x", at),
+            check("e2e throughput: async / thread", ratio(a["throughput_rps"], t["throughput_rps"]) if a and t else None,
+                  ">= 1.0x", lambda v: v >= 1.0, "x", at),
+            check("decoder CPU per request: async / sync", ratio(decoder_cpu(c, "async"), decoder_cpu(c, "sync")),
+                  "<= 1.0x", lambda v: v <= 1.0, "x", at),
+        ]
+    a, s = level(top, "async"), level(top, "sync")
     ttfp = ratio(a["ttfp_ms"]["p50"], s["ttfp_ms"]["p50"]) if a and s else None
     rtf = ratio(a["rtf"]["p50"], s["rtf"]["p50"]) if a and s else None
+    one, sixty_four = level(1, "async"), level(64, "async")
+    scaling = ratio(sixty_four["ttfp_ms"]["p50"], one["ttfp_ms"]["p50"]) if one and sixty_four else None
+    probe = (probes or {}).get("async")
+    info_p99 = probe["latency_ms"]["p99"] if probe and probe["latency_ms"]["n"] else None
     equal = sum(h["equal"] for h in hashes)
     idle, peak = memory.get("materializer_idle_mib"), memory.get("materializer_peak_at_top_mib")
     mat = ratio(peak, idle) if idle and peak else None
     grew = [n for n, m in memory["processes"].items() if m["grew_over_limit"]]
     worst = max((m["growth"] for m in memory["processes"].values()), default=None)
     at = f"concurrency {top}"
-    return [
-        check("e2e throughput: async / sync", thr, ">= 1.3x", lambda v: v >= 1.3, "x", at),
+    thr = ratio(a["throughput_rps"], s["throughput_rps"]) if a and s else None
+    targets += [
+        check("e2e throughput: async / sync (the seed's gain)", thr, ">= 1.3x", lambda v: v >= 1.3, "x", at),
         check("e2e TTFP p50: async / sync", ttfp, "<= 1.0x", lambda v: v <= 1.0, "x", at),
         check("e2e RTF p50: async / sync", rtf, "<= 0.75x", lambda v: v <= 0.75, "x", at),
-        check("e2e audio hashes equal (async vs sync)", float(equal), f"{len(hashes)}/{len(hashes)}",
+        check("e2e TTFP p50 (async): concurrency 64 / 1", scaling, "<= 4x", lambda v: v <= 4, "x",
+              "async stack" + ("" if one and sixty_four else " (concurrency 1 and 64 not both run)")),
+        check("GetDecoderInfo p99 under full load (async)", info_p99, "<= 50 ms", lambda v: v <= 50, " ms",
+              f"{probe['latency_ms']['n']} calls during {at}" if probe else f"{at} (no probe)"),
+        check("e2e audio hashes equal (async, sync, thread)", float(equal), f"{len(hashes)}/{len(hashes)}",
               lambda v: hashes and v == len(hashes), f"/{len(hashes)}", "sha256 of every request's PCM"),
+    ]
+    if omni:
+        ohashes = omni["hashes"]
+        oa = omni["modes"].get("async", {})
+        lead = oa.get("audio_lead_ms", {}).get("p50")
+        targets += [
+            check("omni text+audio hashes equal (async, sync, thread)", float(sum(h["equal"] for h in ohashes)),
+                  f"{len(ohashes)}/{len(ohashes)}", lambda v: ohashes and v == len(ohashes), f"/{len(ohashes)}",
+                  "sha256 of every request's text and PCM"),
+            check("omni: first audio before the thinker finished (async, p50 lead)", lead, "> 0 ms",
+                  lambda v: v > 0, " ms",
+                  f"{oa.get('first_audio_before_thinker_done', 0)}/{oa.get('with_text_and_audio', 0)} requests; "
+                  f"concurrency {omni['concurrency']}"),
+        ]
+    targets += [
         check("materializer RSS during e2e / idle", mat, "<= 1.1x", lambda v: v <= 1.1, "x", f"peak at {at} vs after warm-up"),
         check("service RSS growth after warm-up (worst)", worst * 100 if worst is not None else None, "<= 10% each",
               lambda v: v <= 10, "%", ("grew: " + ", ".join(grew)) if grew else "all services"),
     ]
+    return targets
 
 
 def markdown(data: dict[str, Any], targets) -> str:  # noqa: ANN001
@@ -484,7 +729,9 @@ def markdown(data: dict[str, Any], targets) -> str:  # noqa: ANN001
              "", machine_md(data["machine"]), "",
              f"Profile tts, engine {engine}; {cfg['max_tokens']} codec frames per request "
              f"({cfg['max_tokens'] / 12.5:.2f} s of audio), temperature {cfg['temperature']}, top_p {cfg['top_p']}, "
-             "a fixed seed per prompt. Client: closed loop over gRPC Speak; TTFP = request sent -> first audio chunk.", ""]
+             "a fixed seed per prompt. Client: closed loop over gRPC Speak; TTFP = request sent -> first audio chunk. "
+             "Modes: async = the materializer process (shm handles); sync = payloads built in the decode step; "
+             "thread = no materializer, the decoder's in-process background builder (`--in-process-builder`).", ""]
     rows = []
     for c, lv in data["levels"].items():
         for m in MODES:
@@ -493,15 +740,17 @@ def markdown(data: dict[str, Any], targets) -> str:  # noqa: ANN001
                          s["rtf"]["p50"], s["rtf"]["p99"], s["audio_s_per_wall_s"], s["retries"]])
     lines.append(md_table(["concurrency", "path", "requests", "wall s", "req/s", "TTFP p50 ms", "TTFP p99 ms", "RTF p50",
                            "RTF p99", "audio s / wall s", "gateway retries"], rows))
-    lines += ["", "Async / sync at each level:", ""]
+    lines += ["", "Async / sync and async / thread at each level (hashes: all three modes equal):", ""]
     rows = []
     for c, lv in data["levels"].items():
-        a, s = lv["async"], lv["sync"]
+        a, s, t = lv["async"], lv["sync"], lv["thread"]
         eq = [h for h in data["hashes"] if str(h["concurrency"]) == c]
-        rows.append([c, ratio(a["throughput_rps"], s["throughput_rps"]), ratio(a["ttfp_ms"]["p50"], s["ttfp_ms"]["p50"]),
-                     ratio(a["rtf"]["p50"], s["rtf"]["p50"]), ratio(a["audio_s_per_wall_s"], s["audio_s_per_wall_s"]),
+        rows.append([c, ratio(a["throughput_rps"], s["throughput_rps"]), ratio(a["throughput_rps"], t["throughput_rps"]),
+                     ratio(a["ttfp_ms"]["p50"], s["ttfp_ms"]["p50"]), ratio(a["ttfp_ms"]["p50"], t["ttfp_ms"]["p50"]),
+                     ratio(a["rtf"]["p50"], s["rtf"]["p50"]), ratio(a["rtf"]["p50"], t["rtf"]["p50"]),
                      f"{sum(h['equal'] for h in eq)}/{len(eq)}"])
-    lines.append(md_table(["concurrency", "throughput", "TTFP p50", "RTF p50", "audio s / wall s", "hashes equal"], rows))
+    lines.append(md_table(["concurrency", "throughput async/sync", "throughput async/thread", "TTFP p50 async/sync",
+                           "TTFP p50 async/thread", "RTF p50 async/sync", "RTF p50 async/thread", "hashes equal"], rows))
     lines += ["", "CPU per request (ms, all processes of the stack and the client) and host CPU use during each level:", ""]
     rows = []
     for c, lv in data["levels"].items():
@@ -523,6 +772,36 @@ def markdown(data: dict[str, Any], targets) -> str:  # noqa: ANN001
                 pct_core = (lv[m].get("cpu") or {}).get("cpu_pct_of_one_core") or {}
                 rows.append([c, m, ", ".join(f"{k} {v:.0f}%" for k, v in pct_core.items())])
         lines.append(md_table(["concurrency", "path", "per process"], rows))
+    probe = data.get("info_probe") or {}
+    if any(m in probe for m in MODES):
+        lines += ["", f"GetDecoderInfo latency while concurrency {probe.get('concurrency')} ran (a call every "
+                  f"{cfg['probe_interval_s'] * 1e3:.0f} ms on one open channel):", ""]
+        lines.append(md_table(["path", "calls", "p50 ms", "p99 ms", "max ms", "errors"],
+                              [[m, p["latency_ms"]["n"], p["latency_ms"]["p50"], p["latency_ms"]["p99"],
+                                p["latency_ms"]["max"], p["errors"]] for m, p in probe.items() if m in MODES]))
+    omni = data.get("omni")
+    if omni:
+        lines += ["", "## omni: thinker -> talker -> code2wav", "",
+                  f"Profile omni (the thinker routes its hidden states to the talker), Generate \"text+audio\", "
+                  f"{omni['text_tokens']} text tokens and {omni['audio_frames']} codec frames per request at most, "
+                  f"{omni['requests']} requests at concurrency {omni['concurrency']} per mode, one stack at a time. "
+                  "Thinker done = the request's last text delta arrived; lead = thinker done - first audio "
+                  "(> 0: audio started before the thinker finished).", ""]
+        rows = []
+        for m, o in omni["modes"].items():
+            rows.append([m, o["requests"], o["throughput_rps"], o["thinker_done_ms"]["p50"], o["first_audio_ms"]["p50"],
+                         o["first_audio_ms"]["p99"], o["audio_lead_ms"]["p50"],
+                         f"{o['first_audio_before_thinker_done']}/{o['with_text_and_audio']}",
+                         (o["cpu"].get("cpu_ms_per_request_by_role") or {}).get("decoder")])
+        lines.append(md_table(["path", "requests", "req/s", "thinker done p50 ms", "first audio p50 ms",
+                               "first audio p99 ms", "lead p50 ms", "audio before thinker done",
+                               "decoder CPU ms / request"], rows))
+        oeq = omni["hashes"]
+        lines += ["", f"Text + audio hashes equal across the modes: {sum(h['equal'] for h in oeq)}/{len(oeq)}. "
+                  "Stage paths: " + "; ".join(
+                      f"{m}: " + ", ".join(f"{st['name']} {st['output_path'].removeprefix('OUTPUT_PATH_').lower()}"
+                                           for st in i["stages"])
+                      for m, i in omni["decoder_info"].items()) + ".", ""]
     lines += ["", "## Decoder info at the end", ""]
     lines.append(md_table(["stack", "talker path", "reason", "fallback steps", "arena", "peak slots in use"],
                           [[m, i["talker_output_path"], i["talker_reason"], i["fallback_steps"],
@@ -537,8 +816,8 @@ def markdown(data: dict[str, Any], targets) -> str:  # noqa: ANN001
               f"peak at the top concurrency {mem['materializer_peak_at_top_mib'] or float('nan'):.0f} MiB. "
               f"Shared-memory segments left after stop: {mem['shm_segments_left_after_stop']}.", ""]
     lines += ["## Audio hashes (sha256, first 16 hex digits; full in hashes.txt)", ""]
-    lines.append(md_table(["concurrency", "#", "async", "sync", "equal"],
-                          [[h["concurrency"], h["index"], h["async"][:16], (h["sync"] or "")[:16], h["equal"]]
+    lines.append(md_table(["concurrency", "#", *MODES, "equal"],
+                          [[h["concurrency"], h["index"], *((h.get(m) or "")[:16] for m in MODES), h["equal"]]
                            for h in data["hashes"]]))
     if data.get("replicas", 1) > 1:
         lines += ["", "## Replicas", "",
@@ -567,7 +846,8 @@ def plot(data: dict[str, Any], out_dir: Path) -> None:
     for ax, (key, sub, label) in zip(axes, panels, strict=True):
         for j, m in enumerate(MODES):
             vals = [data["levels"][c][m][key][sub] if sub else data["levels"][c][m][key] for c in cs]
-            ax.bar([i + (j - 0.5) * 0.38 for i in range(len(cs))], vals, 0.38, label=m)
+            width = 0.8 / len(MODES)
+            ax.bar([i + (j - (len(MODES) - 1) / 2) * width for i in range(len(cs))], vals, width, label=m)
         ax.set_xticks(range(len(cs)), [f"c={c}" for c in cs])
         ax.set_title(label)
         ax.grid(axis="y", alpha=0.3)

@@ -61,6 +61,11 @@ An exception while building or delivering a step fails that step's requests
 (`fail_step`) and frees its slot; the threads keep serving. Without a target
 the link builds on its own thread from the start: the in-process
 background-builder baseline.
+
+A step built in-process (`build_local_step`) is delivered as a `LocalStep`:
+its payloads are tensors viewing the slot (or the detached copies), never
+serialised; the slot is released once the delivery returns. A step the
+materializer answered is delivered as its `MaterializedStep`.
 """
 
 from __future__ import annotations
@@ -80,14 +85,15 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from decoder_svc import metrics
 from decoder_svc.snapshot import SnapshotMeta
-from omni_common.materialize import build_step
+from omni_common.materialize import LocalStep, build_local_step
 from omni_common.server import client_options
 from omni_common.shm_arena import ShmArena
 from omni_serving.v1 import decoder_pb2, materializer_pb2, materializer_pb2_grpc
 
 logger = logging.getLogger(__name__)
 
-Deliver = Callable[[materializer_pb2.MaterializedStep, SnapshotMeta], None]
+Deliver = Callable[[materializer_pb2.MaterializedStep | LocalStep, SnapshotMeta], None]
+"""Routes a step: as the materializer answered it, or built in-process (tensors)."""
 FailStep = Callable[[SnapshotMeta, BaseException], None]
 _STOP = object()
 _FLUSH = object()  # a stream was attached: send the steps that waited for it
@@ -1043,13 +1049,15 @@ class MaterializerLink:
                 self.fallback_by_reason[reason] += 1
                 metrics.FALLBACK_STEPS.labels(reason).inc()
             try:
-                built = build_step(meta.local_view(self.arena), self.plans[meta.stage_id])
+                # tensors viewing the slot, handed to the router as they are: the
+                # router copies what it keeps, the slot is released after it
+                built = build_local_step(meta.local_view(self.arena), self.plans[meta.stage_id])
             except Exception as exc:  # noqa: BLE001 -- fail this step's requests, keep serving
                 self._fail(meta, exc, "link_build")
                 return
             self._finish(built, meta)
 
-    def _finish(self, step: materializer_pb2.MaterializedStep, meta: SnapshotMeta) -> None:
+    def _finish(self, step: materializer_pb2.MaterializedStep | LocalStep, meta: SnapshotMeta) -> None:
         try:
             self.deliver(step, meta)
         except Exception as exc:  # noqa: BLE001 -- fail this step's requests, keep serving

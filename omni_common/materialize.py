@@ -1,8 +1,11 @@
 """Build a step's payloads from its snapshot: the one builder every path uses.
 
-The decoder's synchronous in-process path, the shipped materializer
-implementations and the conformance kit's golden vectors all call
-`build_step`, so their payload bytes are identical by construction.
+The shipped materializer implementations and the conformance kit's golden
+vectors call `build_step` (payloads as protobuf messages); the decoder's
+in-process paths (the synchronous one and the background builder) call
+`build_local_step` (payloads as tensors viewing the step's own memory, no
+serialisation). Both walk the same routing (`_routed_rows`), so what one
+encodes is exactly what the other hands over.
 
 Input is a `StepView`: the snapshot's metadata plus its tensors as numpy
 arrays (viewing shared memory, inline bytes, or the engine's own tensors).
@@ -10,7 +13,7 @@ arrays (viewing shared memory, inline bytes, or the engine's own tensors).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -20,6 +23,7 @@ from omni_common.errors import InvalidArgumentError
 from omni_common.tensor_wire import (
     DTypeInfo,
     encode_array,
+    encode_inline,
     tensor_from_buffer,
     validate_ref,
 )
@@ -235,6 +239,75 @@ def _check_source(view: StepView, name: str, t: StepTensorView) -> None:
         raise InvalidArgumentError(name, f"has {a.shape[0]} rows for {n} requests")
 
 
+@dataclass
+class LocalRequest:
+    """One request's payloads of a step, as tensors (in-process paths).
+
+    The tensors view the step's memory (an arena slot, the engine's output):
+    a consumer that keeps one past the delivery of the step copies it."""
+
+    request_id: str
+    finished: bool
+    # client payload tensors in route order (the order build_step encodes them in)
+    client: list[tuple[str, torch.Tensor]] = field(default_factory=list)
+    # inter-stage payload tensors by key (as `payload_tensors` decodes them)
+    inter_stage: dict[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass
+class LocalStep:
+    """A step's payloads built in-process: what `build_step` would encode,
+    before encoding."""
+
+    step_id: int
+    stage_id: int
+    requests: list[LocalRequest]
+    connector_signals: Sequence[snapshot_pb2.ConnectorSignal] = ()
+
+    def to_proto(self) -> materializer_pb2.MaterializedStep:
+        """The MaterializedStep `build_step` builds from the same view."""
+        out = materializer_pb2.MaterializedStep(step_id=self.step_id, stage_id=self.stage_id)
+        for r in self.requests:
+            req = out.requests.add(request_id=r.request_id, finished=r.finished)
+            for key, t in r.inter_stage.items():
+                req.inter_stage.tensors.add(name=key, tensor=encode_inline(t))
+            req.client.CopyFrom(client_payload(r.client))
+        out.connector_signals.extend(self.connector_signals)
+        return out
+
+
+_Routed = tuple[int, str, list[tuple[int, str, np.ndarray, torch.dtype]]]
+
+
+def _routed_rows(view: StepView, plan: materializer_pb2.StagePlan) -> Iterator[_Routed]:
+    """Slice per request and route by key: the routing both builders share.
+
+    Yields, per request in step order, (index, request_id, [(destination,
+    key, rows, wire dtype)] in route order); rows are numpy views of the
+    step's tensors (no copy)."""
+    routes = list(plan.routes)
+    for r in routes:
+        if r.source not in view.tensors:
+            raise InvalidArgumentError("plan.routes.source", f"step {view.step_id} has no tensor {r.source!r}")
+        _check_source(view, r.source, view.tensors[r.source])
+    if len(view.num_sampled_tokens) != len(view.request_ids):
+        raise InvalidArgumentError(
+            "num_sampled_tokens", f"has {len(view.num_sampled_tokens)} entries for {len(view.request_ids)} requests"
+        )
+    # 1) downstream set
+    downstream = view.downstream_request_ids
+    # 2) per-request slices
+    for i, rid in enumerate(view.request_ids):
+        wants_inter = rid in downstream
+        rows = []
+        for r in routes:
+            if r.destination == INTER_STAGE and not wants_inter:
+                continue
+            t = view.tensors[r.source]
+            rows.append((r.destination, r.key, _rows(view, r.source, t, i, r.selection), t.dtype))
+        yield i, rid, rows
+
+
 def build_step(view: StepView, plan: materializer_pb2.StagePlan) -> materializer_pb2.MaterializedStep:
     """Slice per request, route by key, build payload messages.
 
@@ -246,32 +319,52 @@ def build_step(view: StepView, plan: materializer_pb2.StagePlan) -> materializer
          connector signals into the result (never into another step's).
     Slot release is added by the caller, which knows the handles.
     """
-    routes = list(plan.routes)
-    for r in routes:
-        if r.source not in view.tensors:
-            raise InvalidArgumentError("plan.routes.source", f"step {view.step_id} has no tensor {r.source!r}")
-        _check_source(view, r.source, view.tensors[r.source])
-    if len(view.num_sampled_tokens) != len(view.request_ids):
-        raise InvalidArgumentError(
-            "num_sampled_tokens", f"has {len(view.num_sampled_tokens)} entries for {len(view.request_ids)} requests"
-        )
     out = materializer_pb2.MaterializedStep(step_id=view.step_id, stage_id=view.stage_id)
-    # 1) downstream set
-    downstream = view.downstream_request_ids
-    # 2) per-request payloads
-    for i, rid in enumerate(view.request_ids):
-        req = out.requests.add(request_id=rid, finished=rid in view.finished_request_ids)
-        wants_inter = rid in downstream
-        for r in routes:
-            if r.destination == INTER_STAGE and not wants_inter:
-                continue
-            t = view.tensors[r.source]
-            rows = _rows(view, r.source, t, i, r.selection)
-            target = req.inter_stage if r.destination == INTER_STAGE else req.client
-            target.tensors.add(name=r.key, tensor=encode_array(rows, t.dtype))
+    finished = view.finished_request_ids
+    for _, rid, rows in _routed_rows(view, plan):
+        req = out.requests.add(request_id=rid, finished=rid in finished)
+        for destination, key, a, dtype in rows:
+            target = req.inter_stage if destination == INTER_STAGE else req.client
+            target.tensors.add(name=key, tensor=encode_array(a, dtype))
     # 3) connector signals, after this step's payloads
     out.connector_signals.extend(view.connector_signals)
     return out
+
+
+def _as_tensor(a: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """A numpy view as a tensor of its wire dtype (no copy)."""
+    t = torch.from_numpy(a)
+    return t.view(dtype) if t.dtype != dtype else t
+
+
+def build_local_step(view: StepView, plan: materializer_pb2.StagePlan) -> LocalStep:
+    """`build_step` without the encoding: the same slices, routed the same way,
+    kept as tensors viewing the step's memory. The decoder's in-process
+    paths hand these to the router directly; only a client payload becomes
+    a message (`client_payload`), once, where the Generate stream needs it."""
+    finished = view.finished_request_ids
+    requests = []
+    for _, rid, rows in _routed_rows(view, plan):
+        req = LocalRequest(request_id=rid, finished=rid in finished)
+        for destination, key, a, dtype in rows:
+            if destination == INTER_STAGE:
+                req.inter_stage[key] = _as_tensor(a, dtype)
+            else:
+                req.client.append((key, _as_tensor(a, dtype)))
+        requests.append(req)
+    # connector signals, after this step's payloads
+    return LocalStep(view.step_id, view.stage_id, requests, tuple(view.connector_signals))
+
+
+def client_payload(
+    tensors: Sequence[tuple[str, torch.Tensor]], into: payload_pb2.MultimodalPayload | None = None
+) -> payload_pb2.MultimodalPayload:
+    """A client payload message from (key, tensor) pairs, in order (built in
+    `into` when given: the message that carries it, no second copy)."""
+    payload = payload_pb2.MultimodalPayload() if into is None else into
+    for key, t in tensors:
+        payload.tensors.add(name=key, tensor=encode_inline(t))
+    return payload
 
 
 def payload_tensors(payload: payload_pb2.MultimodalPayload, field: str = "payload") -> dict[str, torch.Tensor]:

@@ -59,9 +59,20 @@ def test_step_gap_every_mode_ran(results):
                     assert r["remote_steps"] > 0 and r["fallback_steps"] == 0, r
                 if mode in ("thread", "remote-shm"):
                     assert r["peak_slots_in_use"] >= 1, r
+                # the gap a mode adds over the floor is its gap less mode none's, at the same batch
+                none = got[(payload, "none", batch)]
+                added = r["gap_added_us"]["p50"]
+                assert math.isclose(added, r["gap_us"]["p50"] - none["gap_us"]["p50"], abs_tol=1e-6), r
     check_memory(data["memory"])
     assert data["memory"]["arena"]["num_slots"] * data["memory"]["arena"]["slot_bytes"] > 0
-    assert len(data["targets"]) == 3
+    names = [t["name"] for t in data["targets"]]
+    assert "step gap added over the floor: inline / remote-shm" in names
+    # the decode step targets: one pair per named batch; batches the quick run skips are not measured
+    step = [t for t in data["targets"] if t["name"] == "decode step: remote-shm / none"]
+    assert [t["note"].split(",")[0] for t in step] == [f"batch {b}" for b in step_gap.STEP_TARGET_BATCHES]
+    for t in step:
+        ran = int(t["note"].split(",")[0].split()[1]) in cfg.batches
+        assert (t["measured"] is not None) == ran, t
     for png in ("gap.png", "step.png"):
         assert (results / "step-gap" / png).stat().st_size > 0
 
@@ -82,7 +93,7 @@ def test_handoff_every_size_measured(results):
         assert (results / "handoff" / png).stat().st_size > 0
 
 
-def test_e2e_async_and_sync_give_the_same_audio(results):
+def test_e2e_async_sync_and_thread_give_the_same_audio(results):
     data = load(results, "e2e")
     cfg = e2e.E2EConfig.for_run(quick=True)
     assert sorted(int(c) for c in data["levels"]) == sorted(cfg.concurrency)
@@ -94,16 +105,52 @@ def test_e2e_async_and_sync_give_the_same_audio(results):
             assert s["audio_s_total"] > 0
     hashes = data["hashes"]
     assert len(hashes) == sum(cfg.prompts[c] for c in cfg.concurrency)
+    assert all(h[m] for h in hashes for m in e2e.MODES), "a mode has no result for a prompt"
     different = [h for h in hashes if not h["equal"]]
-    assert not different, f"async and sync audio differ: {different}"
+    assert not different, f"async, sync and thread audio differ: {different}"
     info = data["decoder_info"]
     assert info["async"]["talker_output_path"] == "OUTPUT_PATH_ASYNC" and info["async"]["fallback_steps"] == 0
     assert info["sync"]["talker_output_path"] == "OUTPUT_PATH_SYNC"
-    assert info["async"]["arena"]["peak_slots_in_use"] >= 1
-    assert data["memory"]["shm_segments_left_after_stop"] == {"async": [], "sync": []}
+    # thread: the async path without a materializer (the decoder's own background builder)
+    assert info["thread"]["talker_output_path"] == "OUTPUT_PATH_ASYNC"
+    assert not info["thread"]["materializer_connected"] and info["async"]["materializer_connected"]
+    for mode in ("async", "thread"):
+        assert info[mode]["arena"]["peak_slots_in_use"] >= 1, mode
+    assert data["memory"]["shm_segments_left_after_stop"] == {m: [] for m in e2e.MODES}
+    probe = data["info_probe"]
+    assert probe["concurrency"] == max(cfg.concurrency)
+    for mode in e2e.MODES:
+        assert probe[mode]["latency_ms"]["n"] > 0 and finite(probe[mode]["latency_ms"]["p99"]), mode
+    names = {t["name"] for t in data["targets"]}
+    for name in ("e2e throughput: async / thread", "GetDecoderInfo p99 under full load (async)",
+                 "e2e TTFP p50 (async): concurrency 64 / 1", "decoder CPU per request: async / sync"):
+        assert name in names, name
     check_memory(data["memory"])
     assert (results / "e2e" / "e2e.png").stat().st_size > 0
-    assert (results / "e2e" / "hashes.txt").read_text().count("equal") == len(hashes)
+    lines = (results / "e2e" / "hashes.txt").read_text().splitlines()
+    assert len(lines) == len(hashes) + len(data["omni"]["hashes"])
+    assert all(line.endswith(" equal") for line in lines), lines
+
+
+def test_e2e_omni_variant_times_thinker_and_first_audio(results):
+    data = load(results, "e2e")
+    cfg = e2e.E2EConfig.for_run(quick=True)
+    omni = data["omni"]
+    n = cfg.prompts[max(cfg.concurrency)]
+    assert set(omni["modes"]) == set(e2e.MODES)
+    for mode, reqs in omni["per_request"].items():
+        assert len(reqs) == n, mode
+        for r in reqs:
+            # text and audio both came, and the lead is the difference of the two times
+            assert finite(r["thinker_done_s"], r["first_audio_s"]) and r["audio_bytes"] > 0, (mode, r)
+            assert math.isclose(r["audio_lead_s"], r["thinker_done_s"] - r["first_audio_s"], abs_tol=1e-9)
+    different = [h for h in omni["hashes"] if not h["equal"]]
+    assert len(omni["hashes"]) == n and not different, different
+    for mode, info in omni["decoder_info"].items():
+        assert [s["name"] for s in info["stages"]][:2] == ["thinker", "talker"], info["stages"]
+        want = "OUTPUT_PATH_SYNC" if mode == "sync" else "OUTPUT_PATH_ASYNC"
+        assert all(s["output_path"] == want for s in info["stages"][:2]), (mode, info["stages"])
+    assert omni["shm_segments_left_after_stop"] == {m: [] for m in e2e.MODES}
 
 
 def test_summary_has_the_targets_table(results):

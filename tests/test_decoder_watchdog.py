@@ -167,8 +167,8 @@ def remote(tmp_path):
 
 def test_dispatcher_build_error_fails_the_step_and_keeps_serving(monkeypatch):
     with running(in_process_builder=True) as (pipeline, arena):
-        fault = raise_once(link_mod.build_step, OmniError("injected"))
-        monkeypatch.setattr(link_mod, "build_step", fault)
+        fault = raise_once(link_mod.build_local_step, OmniError("injected"))
+        monkeypatch.setattr(link_mod, "build_local_step", fault)
         check_fault_then_recovery(pipeline, arena, "building the outputs of a decode step failed")
         assert fault.fired and pipeline.link.failed_steps == 1
 

@@ -26,6 +26,7 @@ from omni_common.materialize import (
     PER_REQUEST,
     PER_TOKEN,
     SAMPLED_TOKEN_IDS,
+    build_local_step,
     build_step,
     inline_resolver,
     view_from_snapshot,
@@ -241,6 +242,46 @@ def test_per_request_rows_keep_a_leading_dim_of_one_and_sampled_ids_are_trimmed(
     step = build_step(view, plan)
     shapes = [[list(t.tensor.shape) for t in r.client.tensors] for r in step.requests]
     assert shapes == [[[2], [1], [1, 3]], [[1], [1], [1, 3]]], f"{shapes=}"
+
+
+@pytest.mark.parametrize("downstream", [["r0", "r1", "r2"], ["r1"]], ids=["all", "partial"])
+def test_the_tensor_builder_routes_what_the_message_builder_encodes(downstream):
+    """The in-process paths (build_local_step) and the wire path (build_step)
+    share their slicing: the tensor step, encoded, is the same message."""
+    rids = ["r0", "r1", "r2"]
+    hidden = torch.randn(7, 5).to(torch.bfloat16)
+    view = view_from_tensors(
+        step_id=3,
+        stage_id=1,
+        request_ids=rids,
+        spans=[(0, 4), (4, 5), (5, 7)],
+        num_sampled_tokens=[2, 1, 1],
+        finished_request_ids=["r1"],
+        downstream_request_ids=downstream,
+        tensors={
+            SAMPLED_TOKEN_IDS: (torch.tensor([[7, 8], [9, -1], [4, -1]]), PER_REQUEST),
+            "hidden": (hidden, PER_TOKEN),
+            "codes": (torch.arange(12, dtype=torch.int64).reshape(3, 4), PER_REQUEST),
+        },
+    )
+    route = materializer_pb2.PayloadRoute
+    plan = materializer_pb2.StagePlan(
+        routes=[
+            route(source="hidden", key="h_all", destination=1, selection=1),
+            route(source=SAMPLED_TOKEN_IDS, key="ids", destination=2, selection=1),
+            route(source="hidden", key="h_last", destination=2, selection=2),
+            route(source="codes", key="codes", destination=1, selection=2),
+        ]
+    )
+    wire = build_step(view, plan).SerializeToString(deterministic=True)
+    local = build_local_step(view, plan)
+    assert local.to_proto().SerializeToString(deterministic=True) == wire
+    assert [r.request_id for r in local.requests] == rids
+    assert [r.finished for r in local.requests] == [False, True, False]
+    for r in local.requests:
+        assert [name for name, _ in r.client] == ["ids", "h_last"]
+        assert sorted(r.inter_stage) == (["codes", "h_all"] if r.request_id in downstream else [])
+    assert torch.equal(local.requests[0].inter_stage.get("h_all", hidden[:4]), hidden[:4])
 
 
 def test_duplicate_step_tensor_names_are_refused():
