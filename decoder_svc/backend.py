@@ -42,6 +42,10 @@ class RequestSpec:
     # engine prepares requests that way.
     prompt_token_ids: list[int] = field(default_factory=list)
     reply_token_ids: list[int] = field(default_factory=list)
+    # The conditioning is the upstream stage's output so far: more comes
+    # through the backend's extend_request (StreamedInputBackend), the last
+    # piece with finished=True. Only for stages that stream input.
+    streaming: bool = False
 
 
 T = TypeVar("T")
@@ -170,3 +174,18 @@ class ARBackend(Protocol):
     def embed(self, spec: RequestSpec) -> torch.Tensor: ...
 
     def close(self) -> None: ...
+
+
+class StreamedInputBackend(ARBackend, Protocol):
+    """An AR stage that can start a request before its upstream stage has
+    finished it (``RequestSpec.streaming``) and take the rest in chunks."""
+
+    def extend_request(
+        self, request_id: str, conditioning: dict[str, torch.Tensor], finished: bool
+    ) -> None:
+        """Append the upstream stage's next rows (the same keys as the
+        start's conditioning, only the new rows); ``finished``: the upstream
+        stage is done with the request (the chunk may be empty). A request
+        no longer running is ignored. The caller wakes the stage's loop
+        afterwards: a request waiting for these rows is held meanwhile."""
+        ...

@@ -91,6 +91,10 @@ class RequestContext:
     # steps of it are dropped while code2wav flushes what it has
     ending: str = ""
     guard: RepetitionGuard | None = None
+    # streamed input (the next AR stage starts from the upstream's first
+    # chunk): upstream tokens delivered so far, handovers made (0: not started)
+    upstream_tokens: int = 0
+    handovers: int = 0
 
     sample_rate: int = 24_000
 
@@ -417,6 +421,12 @@ class Pipeline:
             raise InvalidArgumentError("backends", f"no engine backend for stages {missing}")
         self.gen_config = profile.stages[-1]
         self._next_ar = {a.stage_id: b for a, b in itertools.pairwise(self.ar_configs)}
+        # AR stages that start requests from their upstream's first chunk: the
+        # profile asks for it and the stage's engine can take input in chunks
+        self._streamed = {
+            s.stage_id: profile.streams_input(s) and bool(getattr(backends[s.name], "streams_input", False))
+            for s in self.ar_configs
+        }
         # The link exists when a materializer is configured or the in-process
         # background builder (the in-process thread baseline) is asked for.
         use_link = bool(materializer_target) or in_process_builder
@@ -713,6 +723,9 @@ class Pipeline:
                 else:
                     for key, t in tensors.items():
                         ctx.handoff.setdefault(key, []).append(t.clone())
+                    ctx.upstream_tokens += 1  # one sampled token per row and step (no speculative decoding)
+                    if self._streamed[next_ar.stage_id] and not req.finished:
+                        self._stream_to(next_ar, ctx)
             # 4)
             if req.finished:
                 reason = meta.finished.get(rid, STOP)
@@ -724,7 +737,10 @@ class Pipeline:
                     self.code2wav.finish(rid, ctx.spec.voice, reason)
                 else:
                     ctx.upstream_reason = reason
-                    self._hand_to(next_ar, ctx)
+                    if ctx.handovers:  # started from an earlier chunk: the rest, and the end
+                        self._stream_to(next_ar, ctx, finished=True)
+                    else:
+                        self._hand_to(next_ar, ctx)
 
     def _loops(self, guard: RepetitionGuard, codes: np.ndarray) -> bool:
         """Feed a request's new frames (codebook 0; end-of-speech rows left
@@ -750,16 +766,47 @@ class Pipeline:
                     logger.exception("stage %s: stopping request %s failed", s.name, rid)
         self.code2wav.finish(rid, ctx.spec.voice, REPETITION)
 
-    def _hand_to(self, stage: StageConfig, ctx: RequestContext) -> None:
+    def _stream_to(self, stage: StageConfig, ctx: RequestContext, finished: bool = False) -> None:
+        """Streamed input: start the request on the next AR stage once the
+        upstream stage has produced the profile's first chunk
+        (``input_chunk_ramp[0]`` tokens), then hand each further chunk over
+        as it completes, and the rest at the upstream's finish. The next
+        stage holds the request while its next step's input is missing."""
+        if not ctx.handovers:
+            if ctx.upstream_tokens >= stage.input_chunk_end(0):
+                self._hand_to(stage, ctx, streaming=True)
+            return
+        if not finished and ctx.upstream_tokens < stage.input_chunk_end(ctx.handovers):
+            return
+        rid = ctx.spec.request_id
+        cond = {key: torch.cat(parts) for key, parts in ctx.handoff.items()}
+        ctx.handoff.clear()
+        ctx.handovers += 1
+        try:
+            self.backends[stage.name].extend_request(rid, cond, finished)  # type: ignore[attr-defined]
+        except OmniError as exc:
+            self._fail_requests([rid], exc)
+            return
+        except Exception as exc:  # noqa: BLE001 -- this request ends, the others go on
+            logger.error("stage %s could not take more input of request %s", stage.name, rid, exc_info=exc)
+            self._fail_requests([rid], OmniError(f"stage {stage.name} could not continue the request"))
+            return
+        self.runners[stage.stage_id].notify()
+
+    def _hand_to(self, stage: StageConfig, ctx: RequestContext, streaming: bool = False) -> None:
         """Start a request on the next AR stage, conditioned on what the
-        previous stage handed over (e.g. the thinker's hidden states).
+        previous stage handed over (e.g. the thinker's hidden states): all
+        of it, or (``streaming``) its first chunk, the rest to follow.
 
         A request the next stage refuses (an empty reply, ...) ends alone,
         with the stage's error; the others in the step go on."""
         rid = ctx.spec.request_id
         cond = {key: torch.cat(parts) for key, parts in ctx.handoff.items()}
         ctx.handoff.clear()
-        spec = dataclasses.replace(ctx.spec, conditioning=cond, max_tokens=ctx.audio_frames)
+        spec = dataclasses.replace(
+            ctx.spec, conditioning=cond, max_tokens=ctx.audio_frames, streaming=streaming
+        )
+        ctx.handovers = 1
         backend = self.backends[stage.name]
         try:
             backend.add_request(spec)

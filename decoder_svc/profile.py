@@ -69,6 +69,12 @@ class StageConfig:
     codec_chunk_frames: int = 25
     codec_left_context_frames: int = 25
     initial_chunk_ramp: tuple[int, ...] = (5, 10)
+    # An AR stage after another one: start a request from the upstream
+    # stage's first input_chunk_ramp[0] tokens, then take its output in
+    # chunks of the ramp's next sizes, then of input_chunk_tokens (with the
+    # profile's async_chunk; empty: start once the upstream stage finished).
+    input_chunk_ramp: tuple[int, ...] = ()
+    input_chunk_tokens: int = 0
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str = ""  # "" = vLLM's own choice
@@ -82,6 +88,18 @@ class StageConfig:
         if self.distributed_executor_backend:
             args["distributed_executor_backend"] = self.distributed_executor_backend
         return args
+
+    def input_chunk_end(self, k: int) -> int:
+        """Upstream tokens at the ``k``-th handover of a streamed input
+        (k = 0: the start): ``input_chunk_ramp`` summed up to ``k``, then
+        ``input_chunk_tokens`` more per handover. The upstream stage's
+        finish hands over what is left whenever it comes."""
+        ramp = self.input_chunk_ramp
+        if not ramp:
+            raise ValueError(f"stage {self.name}: no input_chunk_ramp")
+        if k < len(ramp):
+            return sum(ramp[: k + 1])
+        return sum(ramp) + (k - len(ramp) + 1) * self.input_chunk_tokens
 
     def plan(self) -> materializer_pb2.StagePlan:
         """The stage's payload processing, as the contract states it."""
@@ -106,6 +124,12 @@ class Profile:
     @property
     def ar_stages(self) -> tuple[StageConfig, ...]:
         return tuple(s for s in self.stages if s.kind == "ar")
+
+    def streams_input(self, stage: StageConfig) -> bool:
+        """Whether ``stage`` starts requests from the first chunk of the
+        previous AR stage's output (``async_chunk`` and the stage's
+        ``input_chunk_ramp``)."""
+        return self.async_chunk and bool(stage.input_chunk_ramp)
 
     def stage(self, name: str) -> StageConfig:
         for s in self.stages:
@@ -232,7 +256,43 @@ def _stage_from_dict(i: int, raw: dict[str, Any]) -> StageConfig:
         values["distributed_executor_backend"] = ""
     if "initial_chunk_ramp" in values:
         values["initial_chunk_ramp"] = tuple(int(x) for x in values["initial_chunk_ramp"])
+    if "input_chunk_ramp" in values or "input_chunk_tokens" in values:
+        values["input_chunk_ramp"], values["input_chunk_tokens"] = _input_chunks(where, raw)
     return StageConfig(**values)
+
+
+def _input_chunks(where: str, raw: dict[str, Any]) -> tuple[tuple[int, ...], int]:
+    """``input_chunk_ramp`` / ``input_chunk_tokens``, checked: both, on an AR
+    stage, the ramp's first size >= 2 (the receiving stage needs the
+    upstream's first two tokens: the first one's row comes with the
+    second's step), every size >= 1."""
+    name = raw["name"]
+    for key in ("input_chunk_ramp", "input_chunk_tokens"):
+        if key not in raw:
+            other = "input_chunk_tokens" if key == "input_chunk_ramp" else "input_chunk_ramp"
+            raise InvalidArgumentError(f"{where}.{key}", f"stage {name}: is required with {other}")
+    if raw["kind"] != "ar":
+        raise InvalidArgumentError(
+            f"{where}.input_chunk_ramp", f"stage {name}: only AR stages take their input in chunks"
+        )
+    ramp = raw["input_chunk_ramp"]
+    if (
+        not isinstance(ramp, (list, tuple))
+        or not ramp
+        or any(isinstance(x, bool) or not isinstance(x, int) or x < 1 for x in ramp)
+    ):
+        raise InvalidArgumentError(
+            f"{where}.input_chunk_ramp",
+            f"stage {name}: must be a non-empty list of integers >= 1, got {ramp!r}",
+        )
+    if ramp[0] < 2:
+        raise InvalidArgumentError(
+            f"{where}.input_chunk_ramp",
+            f"stage {name}: the first size must be >= 2 (the stage starts from the first token's "
+            f"row, which comes with the second token's step), got {ramp[0]}",
+        )
+    _int_at_least_one(where, name, raw, "input_chunk_tokens")
+    return tuple(int(x) for x in ramp), int(raw["input_chunk_tokens"])
 
 
 def load_profile(name_or_path: str) -> Profile:
@@ -253,6 +313,11 @@ def load_profile(name_or_path: str) -> Profile:
     for i, s in enumerate(stages):
         if s.kind != "ar":
             continue
+        if s.input_chunk_ramp and s is next(st for st in stages if st.kind == "ar"):
+            raise InvalidArgumentError(
+                f"stages[{i}].input_chunk_ramp",
+                f"stage {s.name}: the first AR stage has no upstream stage to take chunks from",
+            )
         refused = parallel_refusal(
             s.name,
             s.engine_role or s.name,

@@ -136,11 +136,32 @@ def test_decoder_refuses_a_bad_checkpoint_before_serving(tmp_path, checkpoint):
     assert "talker.codec_head.weight" in run.stderr and "missing" in run.stderr, run.stderr[-2000:]
 
 
+def first_audio_and_thinker_end(stack: Stack, text: str, max_tokens: int) -> tuple[int, int, int]:
+    """Generate text+audio as deltas: (index of the first output with audio,
+    index of the last output with text, number of outputs)."""
+    with grpc.insecure_channel(stack.gateway_target) as ch:
+        stub = gateway_pb2_grpc.OmniGatewayServiceStub(ch)
+        req = gateway_pb2.OmniGatewayServiceGenerateRequest(
+            prompt=text, output_modalities="text+audio", output_kind=gateway_pb2.OUTPUT_KIND_DELTA,
+            sampling_params=common_pb2.SamplingParams(seed=3, temperature=0.8, max_tokens=max_tokens,
+                                                      max_audio_seconds=5.12))
+        outs = [r.output for r in stub.Generate(req, timeout=300)]
+    audio = [i for i, o in enumerate(outs) if any(t.tensor.inline_data for t in o.multimodal.tensors)]
+    texts = [i for i, o in enumerate(outs) if o.text.text]
+    assert audio and texts, f"{len(audio)=} {len(texts)=}"
+    return audio[0], texts[-1], len(outs)
+
+
 def test_omni_text_and_audio_async_equals_sync(tmp_path_factory, checkpoint):
     results = {}
     for sync in (False, True):
         stack = start(tmp_path_factory, checkpoint, "omni", sync=sync)
         try:
+            # The talker starts from the thinker's first chunk (profile omni:
+            # input_chunk_ramp): a long reply's first audio comes before its
+            # last text.
+            first_audio, last_text, n = first_audio_and_thinker_end(stack, "Tell me a long story.", 48)
+            assert first_audio < last_text, f"{first_audio=} {last_text=} of {n} outputs"
             results[sync] = generate_all(stack)
             paths = {s.name: s.output_path for s in decoder_info(stack).stages}
             want = decoder_pb2.OUTPUT_PATH_SYNC if sync else decoder_pb2.OUTPUT_PATH_ASYNC

@@ -18,7 +18,12 @@ alignment, row selection, snapshots) with the model-specific parts:
   model cache. A request's prompt embeddings are built from the thinker's
   side of the conversation (:mod:`.prompt`): from the captured thinker rows
   (``Generate`` on the omni profile) or, for text given to be spoken as is
-  (``Speak``, the tts profile), from the thinker's embedding table.
+  (``Speak``, the tts profile), from the thinker's embedding table. It can
+  start from the first rows of the thinker's reply (``RequestSpec.streaming``)
+  and take the rest as the thinker produces it (:meth:`TalkerBackend.extend_request`);
+  a request whose next step needs a row still to come is held meanwhile
+  (``VLLMBackend``, "Streamed input"). The codes are the same as when it
+  starts from the whole reply.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -35,19 +41,27 @@ from decoder_svc.backend import RequestSpec
 from decoder_svc.profile import IN_PROCESS_RUNNER
 from decoder_svc.vllm_engine import runner_hook as rh
 from decoder_svc.vllm_engine.backend import VLLMBackend
-from omni_common.errors import InvalidArgumentError
+from omni_common.errors import FailedPreconditionError, InvalidArgumentError
 
 from .cache import derived_dir
 from .checkpoint import OmniCheckpoint
-from .prompt import TalkerIds, build_talker_prompt
+from .prompt import TalkerIds, TalkerPromptBuilder
 from .talker import TalkerRequestState, register, talker_config_view
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ThinkerBackend", "TalkerBackend", "THINKER_EMBED", "THINKER_HIDDEN", "prepare_vllm"]
+__all__ = [
+    "ThinkerBackend",
+    "TalkerBackend",
+    "THINKER_EMBED",
+    "THINKER_HIDDEN",
+    "THINKER_TOKEN_IDS",
+    "prepare_vllm",
+]
 
 THINKER_EMBED = "thinker_embed"
 THINKER_HIDDEN = "thinker_hidden"
+THINKER_TOKEN_IDS = "thinker_token_ids"
 THINKER_ARCH = "Qwen3OmniMoeForConditionalGeneration"
 
 
@@ -216,6 +230,7 @@ class TalkerBackend(VLLMBackend):
     # _prompt and the code predictor run in the step live on the model object
     # in this process.
     in_process_reason = IN_PROCESS_RUNNER["talker"]
+    streams_input = True
 
     def __init__(
         self,
@@ -243,6 +258,9 @@ class TalkerBackend(VLLMBackend):
         self.sampling.update(sampling or {})
         self._embed_table: torch.Tensor | None = None
         self._model: Any = None
+        # requests started from part of the thinker's reply, until it ends
+        self._builders: dict[str, TalkerPromptBuilder] = {}
+        self._build_lock = threading.Lock()
         kwargs.setdefault("pooling_engine", "off")
         kwargs.setdefault("capture_hidden", False)
         kwargs["enable_prompt_embeds"] = True
@@ -316,26 +334,33 @@ class TalkerBackend(VLLMBackend):
         def embed(ids: torch.Tensor) -> torch.Tensor:
             return torch.nn.functional.embedding(ids, table).to(device=device, dtype=torch.float32)
 
-        if THINKER_EMBED in cond:  # Generate: the thinker's reply and its rows
-            reply = [int(t) for t in cond["thinker_token_ids"].reshape(-1).tolist()]
-            rows, hidden = cond[THINKER_EMBED], cond.get(THINKER_HIDDEN)
+        if THINKER_EMBED in cond:  # Generate: the thinker's reply and its rows (so far)
+            reply = [int(t) for t in cond[THINKER_TOKEN_IDS].reshape(-1).tolist()]
+            rows, hidden = cond[THINKER_EMBED].to(device), cond.get(THINKER_HIDDEN)
+            if hidden is not None:
+                hidden = hidden.to(device)
+        elif spec.streaming:
+            raise InvalidArgumentError(
+                f"conditioning.{THINKER_EMBED}", "a streaming start needs the thinker's rows"
+            )
         else:  # Speak: the text as the assistant's reply; no thinker ran
             reply = list(spec.reply_token_ids)
             rows, hidden = embed(torch.tensor(prompt_ids + reply[:-1], dtype=torch.long)), None
+        builder = TalkerPromptBuilder(
+            self.ids,
+            prompt_ids,
+            speaker_id=self.speaker_id(spec.voice),
+            text_projection=model.text_projection,
+            hidden_projection=model.hidden_projection,
+            codec_embedding=model.embed_input_ids,
+            thinker_token_embed=embed,
+            end_ids=self.end_ids,
+        )
         with torch.inference_mode():
-            tp = build_talker_prompt(
-                self.ids,
-                prompt_ids,
-                reply,
-                rows,
-                hidden,
-                speaker_id=self.speaker_id(spec.voice),
-                text_projection=model.text_projection,
-                hidden_projection=model.hidden_projection,
-                codec_embedding=model.embed_input_ids,
-                thinker_token_embed=embed,
-                end_ids=self.end_ids,
-            )
+            # the whole reply (build_talker_prompt's steps), or its first rows
+            builder.add(reply, rows, finished=not spec.streaming)
+            prompt_embeds = builder.head(hidden)
+            trailing = builder.take()
         greedy = spec.temperature <= 0
         gen = None
         if not greedy:
@@ -344,9 +369,10 @@ class TalkerBackend(VLLMBackend):
                 (int(spec.seed) * 1_000_003 + 17) % 2**63
             )
         state = TalkerRequestState(
-            prompt_len=int(tp.prompt_embeds.shape[0]),
-            trailing=tp.trailing,
-            pad=tp.pad,
+            prompt_len=int(prompt_embeds.shape[0]),
+            trailing=trailing,
+            pad=builder.pad,
+            complete=builder.complete,
             repetition_penalty=self.sampling["repetition_penalty"],
             temperature=0.0 if greedy else self.sampling["code_predictor_temperature"],
             top_k=self.sampling["code_predictor_top_k"],
@@ -355,7 +381,9 @@ class TalkerBackend(VLLMBackend):
         )
         with model.states_lock:
             model.states[spec.request_id] = state
-        return {"prompt_embeds": tp.prompt_embeds}
+        if not builder.complete:
+            self._builders[spec.request_id] = builder
+        return {"prompt_embeds": prompt_embeds}
 
     def _sampling_params(self, spec: RequestSpec):
         params = super()._sampling_params(spec)
@@ -374,6 +402,61 @@ class TalkerBackend(VLLMBackend):
             self._forget(spec.request_id)
             raise
 
+    def extend_request(
+        self, request_id: str, conditioning: dict[str, torch.Tensor], finished: bool
+    ) -> None:
+        """The thinker's next rows for a request started with
+        ``RequestSpec.streaming``: ``conditioning`` holds only the new ones
+        (``thinker_embed`` [k, H], ``thinker_token_ids`` [m] with the rows
+        of all positions forwarded so far, i.e. k = m per thinker step;
+        ``thinker_hidden`` is read only for the prompt and may be left out).
+        ``finished``: the thinker is done with the request (the chunk may be
+        empty); the per-step text then ends as the one-shot start would end
+        it (tts_eos after the reply's last forwarded token or at its first
+        end of turn, then tts_pad). A request no longer running is ignored;
+        one not started with ``streaming`` is refused.
+        """
+        model = self._model
+        with self._build_lock:
+            builder = self._builders.get(request_id)
+            if builder is None:
+                with self._lock:
+                    running = request_id in self._int_of
+                if running:
+                    raise FailedPreconditionError(
+                        f"request {request_id!r} was not started with streamed input"
+                    )
+                return
+            device = model.text_projection.linear_fc1.weight.device
+            ids = conditioning.get(THINKER_TOKEN_IDS)
+            reply = [] if ids is None else [int(t) for t in ids.reshape(-1).tolist()]
+            rows = conditioning.get(THINKER_EMBED)
+            if rows is None:
+                rows = torch.zeros((0, 0), dtype=torch.float32)
+            with torch.inference_mode():
+                builder.add(reply, rows.to(device), finished=finished)
+                new = builder.take()
+            with model.states_lock:
+                st = model.states.get(request_id)
+                if st is not None:
+                    if new.shape[0]:
+                        st.trailing = torch.cat((st.trailing, new))
+                    st.complete = builder.complete
+            if builder.complete:
+                self._builders.pop(request_id, None)
+        if builder.complete:
+            self._input_complete(request_id)
+
+    def _held_requests(self, candidates: list[tuple[str, int]]) -> set[str]:
+        # decode step k of a request (position prompt_len + k) reads trailing[k]
+        held = set()
+        with self._model.states_lock:
+            for rid, position in candidates:
+                st = self._model.states.get(rid)
+                if st is not None and not st.complete and position - st.prompt_len >= st.trailing.shape[0]:
+                    held.add(rid)
+        return held
+
     # -- the step --------------------------------------------------------------------
     def _codes(
         self, cap: rh.StepCapture, tokens: torch.Tensor, row_ok: torch.Tensor
@@ -389,6 +472,7 @@ class TalkerBackend(VLLMBackend):
         )
 
     def _forget(self, request_id: str) -> None:
+        self._builders.pop(request_id, None)
         if self._model is not None:
             with self._model.states_lock:
                 self._model.states.pop(request_id, None)

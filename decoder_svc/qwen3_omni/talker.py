@@ -10,7 +10,9 @@ called right after sampling, inside the step). The next step's input is
                            + the next thinker text embedding (projected)
 
 or the ``tts_pad`` embedding once the text has run out. The prompt arrives
-as ``prompt_embeds`` (built by :mod:`.prompt`).
+as ``prompt_embeds`` (built by :mod:`.prompt`); the text embeddings may keep
+arriving while the request runs (a request started from the first chunk of
+the thinker's reply: :class:`TalkerRequestState` ``complete`` False).
 
 Per-request state (text queue, residual embedding sum, generated codes for
 the repetition penalty, the code predictor's sampling settings) lives here,
@@ -88,6 +90,10 @@ class TalkerRequestState:
     prompt_len: int
     trailing: torch.Tensor  # [N, H] projected text embeddings, one per step
     pad: torch.Tensor  # [H] projected tts_pad embedding
+    # False while the thinker's reply is still arriving: steps past
+    # ``trailing`` wait for its rows (the backend holds the request) instead
+    # of reading ``pad``; ``trailing`` only grows meanwhile.
+    complete: bool = True
     repetition_penalty: float = 1.0
     temperature: float = 0.0  # code predictor
     top_k: int = 0

@@ -59,6 +59,25 @@ protobuf fields and per-request dicts (``batch_indices``,
 :class:`decoder_svc.backend.LazyList` / ``LazyDict``: built where they are
 read (the snapshot's sender thread, the router), not in the step.
 
+Streamed input
+--------------
+A stage that takes its input in chunks (``streams_input``: the talker, fed
+the thinker's reply as it is produced) starts a request with
+``RequestSpec.streaming`` and gets the rest through :meth:`extend_request`.
+A running request whose next decode step needs input that has not arrived
+is held: the scheduler's ``schedule`` is wrapped to take such requests out
+of ``scheduler.running`` for that call and put them back afterwards, in
+their order (they keep their KV blocks; admission of waiting requests
+counts them as running, so the batch never outgrows ``max_num_seqs``). The
+position a step will compute is the request's ``num_computed_tokens`` at
+schedule time: vLLM advances it when it schedules, so under async
+scheduling (step N + 1 scheduled before step N's output is processed) it
+already counts the step in flight. ``has_unfinished()`` is False while
+every unfinished request is held and no step is in flight, so the stage's
+loop sleeps until the caller notifies it after an ``extend_request``. A
+request held for its next step and then resumed is scheduled again with its
+token ids (vLLM sends them for a request missing from the previous step).
+
 Thread safety
 -------------
 - ``add_request`` / ``abort`` (gRPC threads) and ``step`` / ``has_unfinished``
@@ -190,6 +209,9 @@ class VLLMBackend:
         "the step hook hands each step's sampled ids and hidden rows to the decoder from vLLM's "
         "model runner in the decoder process"
     )
+    # Whether requests can start before their input is complete
+    # (RequestSpec.streaming, extend_request); see the module docstring.
+    streams_input = False
 
     def __init__(
         self,
@@ -287,6 +309,9 @@ class VLLMBackend:
         self._captured: deque[_Captured] = deque()  # stage thread only
         self._copy_hidden = False  # set once the engine is built (outputs_are_fresh)
         self._updated: list[Any] = []  # SchedulerOutputs processed during the current engine.step()
+        self._streaming: set[str] = set()  # live external ids whose input is still arriving
+        self._in_flight: dict[int, Any] = {}  # scheduled steps with tokens, not processed yet
+        self._scheduler: Any = None
         self._ready: deque[VLLMStepOutput] = deque()
         self._closed = False
         self._embed_ids = itertools.count()
@@ -388,21 +413,85 @@ class VLLMBackend:
     def _forget(self, request_id: str) -> None:
         """A request left the engine (finished or aborted)."""
 
+    def _held_requests(self, candidates: list[tuple[str, int]]) -> set[str]:
+        """Of ``(external id, position)`` pairs -- running requests whose
+        input is still arriving, in decode, and the position their next step
+        computes -- the ids whose next step needs input that has not arrived
+        (held: not scheduled). Stages that stream input override it."""
+        return set()
+
     # -- construction helpers -----------------------------------------------------
     def _wrap_scheduler(self) -> None:
-        """Record which SchedulerOutput each update_from_output processes."""
+        """Record which SchedulerOutput each update_from_output processes,
+        which scheduled steps are in flight, and hold the requests waiting
+        for input (module docstring, "Streamed input")."""
         core = getattr(self.engine.engine_core, "engine_core", None)
         if core is None:  # pragma: no cover - make_engine is always in-process
             raise FailedPreconditionError("VLLMBackend needs an in-process engine core")
-        sched = core.scheduler
+        sched = self._scheduler = core.scheduler
         orig = sched.update_from_output
+        orig_schedule = sched.schedule
         updated = self._updated
+        in_flight = self._in_flight
 
         def update_from_output(scheduler_output, model_runner_output):
             updated.append(scheduler_output)
+            in_flight.pop(id(scheduler_output), None)
             return orig(scheduler_output, model_runner_output)
 
+        def schedule(*args, **kwargs):
+            held = self._held(sched) if self._streaming else set()
+            if not held:
+                out = orig_schedule(*args, **kwargs)
+            else:
+                before = sched.running
+                sched.running = [r for r in before if r.request_id not in held]
+                # held requests keep their runner slots: admit no more than fit
+                caps = [c for c in ("max_num_running_reqs", "max_num_active_reqs") if hasattr(sched, c)]
+                for c in caps:
+                    setattr(sched, c, getattr(sched, c) - len(held))
+                try:
+                    out = orig_schedule(*args, **kwargs)
+                finally:
+                    for c in caps:
+                        setattr(sched, c, getattr(sched, c) + len(held))
+                    after = sched.running
+                    kept = {id(r) for r in after}
+                    known = {id(r) for r in before}
+                    sched.running = [r for r in before if r.request_id in held or id(r) in kept] + [
+                        r for r in after if id(r) not in known
+                    ]
+            if out.total_num_scheduled_tokens > 0:
+                in_flight[id(out)] = out
+            return out
+
         sched.update_from_output = update_from_output
+        sched.schedule = schedule
+
+    def _held(self, sched: Any) -> set[str]:
+        """Internal ids of the running requests held this step (engine lock held)."""
+        cands: list[tuple[str, int]] = []
+        internal: dict[str, str] = {}
+        for r in sched.running:
+            ext = self._ext_of.get(r.request_id)
+            if ext in self._streaming and r.num_computed_tokens >= r.num_prompt_tokens:
+                cands.append((ext, int(r.num_computed_tokens)))
+                internal[ext] = r.request_id
+        if not cands:
+            return set()
+        return {internal[ext] for ext in self._held_requests(cands)}
+
+    def _has_work(self) -> bool:
+        """Whether a step can make progress (engine lock held): a step's
+        outputs are pending, or some unfinished request is not held."""
+        if self._ready:
+            return True
+        if not self.engine.has_unfinished_requests():
+            return False
+        if not self._streaming or self._in_flight or self._scheduler is None:
+            return True
+        sched = self._scheduler
+        return sched.get_num_unfinished_requests() > len(self._held(sched))
 
     def _load_tokenizer(self):
         from transformers import AutoTokenizer
@@ -514,6 +603,10 @@ class VLLMBackend:
             raise InvalidArgumentError(
                 "task", f"step requests must be 'generate'; use embed() for {spec.task!r}"
             )
+        if spec.streaming and not self.streams_input:
+            raise InvalidArgumentError(
+                "streaming", f"stage {self.name!r} takes its input in one piece"
+            )
         params = self._sampling_params(spec)
         prompt = self._prompt(spec)
         with self._lock:
@@ -527,6 +620,23 @@ class VLLMBackend:
                 raise InvalidArgumentError("prompt", str(exc)) from exc
             self._ext_of[internal] = spec.request_id
             self._int_of[spec.request_id] = internal
+            if spec.streaming:
+                self._streaming.add(spec.request_id)
+
+    def extend_request(
+        self, request_id: str, conditioning: dict[str, torch.Tensor], finished: bool
+    ) -> None:
+        """More input for a request started with ``RequestSpec.streaming``
+        (see the subclasses that stream input: ``streams_input``); this
+        stage takes its input in one piece."""
+        raise FailedPreconditionError(
+            f"stage {self.name!r} takes its input in one piece; it cannot be extended"
+        )
+
+    def _input_complete(self, request_id: str) -> None:
+        """A streaming request's input is all there: it is never held again."""
+        with self._lock:
+            self._streaming.discard(request_id)
 
     def abort(self, request_id: str) -> bool:
         with self._lock:
@@ -534,16 +644,19 @@ class VLLMBackend:
             if internal is None:
                 return False
             self._ext_of.pop(internal, None)
+            self._streaming.discard(request_id)
             if not self._closed:
                 self.engine.abort_request([internal], internal=True)
             self._forget(request_id)
         return True
 
     def has_unfinished(self) -> bool:
+        """Whether ``step()`` has work: False also while every unfinished
+        request is held waiting for input (module docstring)."""
         with self._lock:
             if self._closed:
                 return False
-            return bool(self._ready) or self.engine.has_unfinished_requests()
+            return self._has_work()
 
     # -- the step hook (stage thread, inside engine.step()) ------------------------
     def _on_capture(
@@ -605,7 +718,7 @@ class VLLMBackend:
                 return None
             if self._ready:  # more than one step was processed by an earlier call
                 return self._ready.popleft()
-            if not self.engine.has_unfinished_requests():
+            if not self._has_work():
                 return None
             del self._updated[:]
             with FORWARD_LOCK:
@@ -641,6 +754,7 @@ class VLLMBackend:
                 internal = self._int_of.pop(ext, None)
                 if internal is not None:
                     self._ext_of.pop(internal, None)
+                    self._streaming.discard(ext)
                     self._forget(ext)
         self.steps += 1
         outs = [
@@ -796,6 +910,7 @@ class VLLMBackend:
             self._closed = True
             self._ext_of.clear()
             self._int_of.clear()
+            self._streaming.clear()
             self._captured.clear()
             self._ready.clear()
             with FORWARD_LOCK:
