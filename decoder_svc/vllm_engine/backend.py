@@ -107,6 +107,7 @@ from typing import Any
 import torch
 
 from decoder_svc.backend import LazyDict, LazyList, RequestSpec, StepOutput
+from decoder_svc.busy import BUSY
 from decoder_svc.profile import parallel_refusal
 from omni_common.errors import FailedPreconditionError, InvalidArgumentError
 from omni_common.materialize import PER_REQUEST as TENSOR_LAYOUT_PER_REQUEST
@@ -721,7 +722,7 @@ class VLLMBackend:
             if not self._has_work():
                 return None
             del self._updated[:]
-            with FORWARD_LOCK:
+            with FORWARD_LOCK, BUSY.forward(self.name):
                 outputs = self.engine.step()
                 if self._worker_capture is not None:
                     for key, cap, extra in self._worker_capture.take():
