@@ -24,16 +24,20 @@ What travels where:
 
 A request is pinned to the least-loaded worker at its first frame, so its
 chunk state (left context, stream state) lives in one process, and one reader
-thread per worker calls ``emit`` in order. ``frames``/``finish``/``abort``
-only enqueue: a sender thread per worker writes to the pipe, so a slow worker
-never blocks the caller. A worker that exits (SIGKILL included) fails only the
-requests pinned to it (``on_error``), its slots are reclaimed and it is
-restarted; new requests are served by the new process.
+thread per worker calls ``emit`` in order. A worker decodes its ready chunks
+not in arrival order but first chunks first, then the request closest to
+running dry (``next_request``); each request's chunks stay in order.
+``frames``/``finish``/``abort`` only enqueue: a sender thread per worker
+writes to the pipe, so a slow worker never blocks the caller. A worker that
+exits (SIGKILL included) fails only the requests pinned to it
+(``on_error``), its slots are reclaimed and it is restarted; new requests
+are served by the new process.
 """
 
 from __future__ import annotations
 
 import importlib
+import itertools
 import logging
 import multiprocessing
 import os
@@ -42,7 +46,8 @@ import signal
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,7 +55,7 @@ import numpy as np
 import torch
 
 from decoder_svc import metrics
-from decoder_svc.code2wav import ChunkState
+from decoder_svc.code2wav import SAMPLE_RATE_HZ, ChunkState
 from omni_common.errors import InvalidArgumentError, UnavailableError
 from omni_common.shm_arena import ArenaReader, ShmArena
 
@@ -83,51 +88,140 @@ def vocoder_spec(vocoder) -> VocoderSpec:
     return str(path), dict(kwargs)
 
 
+@dataclass(eq=False)
+class PendingRequest:
+    """A request in a code2wav worker: its chunk state, its chunks ready to
+    decode (in order), and the audio it has emitted so far."""
+
+    rid: str
+    seq: int  # arrival order: ties go to the older request
+    state: ChunkState
+    # (start, end, last, reason, ready_at); start None: the empty last of a finish
+    ready: deque = field(default_factory=deque)
+    audio_s: float = 0.0  # seconds of audio emitted
+    first_audio_at: float | None = None  # when its first audio was emitted
+    finished: bool = False  # its finish was taken: later items start nothing
+
+    def slack(self, now: float) -> float:
+        """Seconds of audio a real-time client still has buffered at `now`
+        (negative: it ran dry that long ago)."""
+        return self.audio_s - (now - self.first_audio_at)
+
+
+def next_request(requests: Iterable[PendingRequest], now: float) -> PendingRequest | None:
+    """The request whose next ready chunk a worker decodes now (None: no
+    chunk is ready). `now` is the worker's clock.
+
+    1. a request that has emitted no audio yet (its first chunk), oldest first;
+    2. then the one with the least slack (``PendingRequest.slack``: the
+       closest to running dry at a real-time client), the older on a tie.
+
+    Only the order between requests is chosen: a request's own chunks go in
+    order, with the boundaries they were cut at."""
+    best, best_key = None, None
+    for r in requests:
+        if not r.ready:
+            continue
+        key = (0, 0.0, r.seq) if r.first_audio_at is None else (1, r.slack(now), r.seq)
+        if best_key is None or key < best_key:
+            best, best_key = r, key
+    return best
+
+
 class Code2WavCore:
-    """Per-request chunk states and the handling of one queued item.
+    """Per-request chunk states, the chunks ready to decode, and which one
+    goes next.
 
     Shared by the in-thread worker and the worker processes, so both cut the
-    same chunks and call the vocoder with the same frames."""
+    same chunks, call the vocoder with the same frames and pick the same
+    order. ``add`` only cuts chunks (cheap, no vocoder call); ``decode_next``
+    decodes one chunk, chosen by ``next_request``."""
 
-    def __init__(self, ramp: Sequence[int], chunk_frames: int, vocoder) -> None:
+    def __init__(self, ramp: Sequence[int], chunk_frames: int, vocoder, *,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.ramp = tuple(int(x) for x in ramp)
         self.chunk_frames = int(chunk_frames)
         self.vocoder = vocoder
+        self.clock = clock
         self.num_codebooks = int(vocoder.num_codebooks)
         self.codebook_size = int(vocoder.codebook_size)
-        self._states: dict[str, ChunkState] = {}
-        self.chunks = 0
+        self.sample_rate = float(getattr(vocoder, "sample_rate", SAMPLE_RATE_HZ))
+        self._requests: dict[str, PendingRequest] = {}
+        self._seq = itertools.count()
+        self.chunks = 0  # chunks decoded
+        self.queued = 0  # chunks ready and not yet decoded (empty lasts included)
+        # of the chunk being emitted: how long it waited when it is its
+        # request's first (from the arrival of the frames that completed it
+        # to the start of its decode), else None
+        self.first_wait: float | None = None
 
     def has(self, request_id: str) -> bool:
-        return request_id in self._states
+        return request_id in self._requests
 
     def drop(self, request_id: str) -> None:
-        self._states.pop(request_id, None)
+        """Forget a request and its chunks not yet decoded."""
+        r = self._requests.pop(request_id, None)
+        if r is not None:
+            self.queued -= len(r.ready)
 
-    def _state(self, request_id: str, voice: str) -> ChunkState:
-        st = self._states.get(request_id)
-        if st is None:
-            st = ChunkState(self.ramp, self.chunk_frames, self.vocoder.new_stream(voice), self.num_codebooks)
-            self._states[request_id] = st
-        return st
-
-    def handle(self, kind: str, rid: str, voice: str, value, emit: Emit) -> None:
-        """kind "frames" (value: codes) or "finish" (value: the finish reason)."""
-        st = self._state(rid, voice)
+    def add(self, kind: str, rid: str, voice: str, value, received_at: float | None = None) -> None:
+        """Take a queued item: kind "frames" (value: codes) or "finish" (value:
+        the finish reason). Cuts the chunks the item completes into the
+        request's ready chunks; decodes nothing. received_at: when the item
+        arrived (the worker's clock; default now)."""
+        r = self._requests.get(rid)
+        if r is None:
+            state = ChunkState(self.ramp, self.chunk_frames, self.vocoder.new_stream(voice), self.num_codebooks)
+            r = self._requests[rid] = PendingRequest(rid, next(self._seq), state)
+        if r.finished:
+            return
+        st = r.state
         final = kind == "finish"
         if not final:
             codes = np.asarray(value).reshape(-1, self.num_codebooks)
             # an end-of-speech row (codebook 0 outside the codebook) is no frame
             st.add(codes[codes[:, 0] < self.codebook_size])
         chunks = st.ready_chunks(final)
+        if not chunks and not final:
+            return
+        at = self.clock() if received_at is None else received_at
         for i, (start, end) in enumerate(chunks):
             last = final and i == len(chunks) - 1
-            self.chunks += 1
-            emit(rid, st.decode(start, end), last, value if last else "")
+            r.ready.append((start, end, last, value if last else "", at))
         if final:
+            r.finished = True
             if not chunks:
-                emit(rid, np.zeros(0, dtype=np.float32), True, value)
-            self._states.pop(rid, None)
+                r.ready.append((None, None, True, value, at))
+        self.queued += len(chunks) + int(final and not chunks)
+
+    def next(self) -> str | None:
+        """The request whose chunk ``decode_next`` decodes (None: none ready)."""
+        r = next_request(self._requests.values(), self.clock()) if self.queued else None
+        return None if r is None else r.rid
+
+    def decode_next(self, rid: str, emit: Emit) -> None:
+        """Decode the next ready chunk of `rid` and emit it; its last chunk
+        ends the request here."""
+        r = self._requests[rid]
+        start, end, last, reason, ready_at = r.ready.popleft()
+        self.queued -= 1
+        first = r.first_audio_at is None
+        wait = self.clock() - ready_at if first and start is not None else None
+        if last:
+            self._requests.pop(rid, None)
+        if start is None:
+            audio = np.zeros(0, dtype=np.float32)
+        else:
+            audio = r.state.decode(start, end)
+            self.chunks += 1
+        self.first_wait = wait
+        try:
+            emit(rid, audio, last, reason)
+        finally:
+            self.first_wait = None
+        r.audio_s += audio.size / self.sample_rate
+        if first:
+            r.first_audio_at = self.clock()
 
 
 # -- the worker process ------------------------------------------------------------
@@ -188,13 +282,15 @@ def worker_main(
 
     def receive() -> None:
         """Copies frames out of their slots as soon as they arrive, so slots
-        come back even while the vocoder is busy."""
+        come back even while the vocoder is busy; stamps each item with its
+        arrival (the first chunk's wait)."""
         while True:
             try:
                 batch = commands.recv()
             except (EOFError, OSError):
                 inbox.put(None)
                 return
+            at = core.clock()
             released: list[tuple[int, int]] = []
             stop = False
             for msg in batch:
@@ -204,11 +300,11 @@ def worker_main(
                 if msg[0] == "frames":
                     _, rid, voice, ref = msg
                     try:
-                        inbox.put(("frames", rid, voice, _load_codes(reader, ref, released)))
+                        inbox.put(("frames", rid, voice, _load_codes(reader, ref, released), at))
                     except Exception as exc:  # noqa: BLE001 -- fail this request only
-                        inbox.put(("fail", rid, "", _short(exc)))
+                        inbox.put(("fail", rid, "", _short(exc), at))
                 else:
-                    inbox.put(msg)
+                    inbox.put((*msg, at))
             if released:
                 send(("rel", released))
             if stop:
@@ -218,38 +314,66 @@ def worker_main(
     threading.Thread(target=receive, name="code2wav-receive", daemon=True).start()
 
     counted = 0
+    reported = 0  # the queue length the decoder last heard of
+    failed: set[str] = set()  # their later items start nothing, until the decoder aborts them
 
     def emit(rid: str, audio: np.ndarray, last: bool, reason: str) -> None:
-        nonlocal counted
+        nonlocal counted, reported
         chunk = core.chunks != counted  # False for the empty last of a request without frames
         counted = core.chunks
-        send(("audio", rid, audio, last, reason, chunk))
+        reported = core.queued
+        send(("audio", rid, audio, last, reason, chunk, core.queued, core.first_wait))
 
-    failed: set[str] = set()  # their later items start nothing, until the decoder aborts them
+    def fail(rid: str, text: str, trace: str) -> None:
+        core.drop(rid)
+        failed.add(rid)
+        # the decoder logs it, with its own log setup
+        send(("error", rid, text, trace))
+
+    def take(item: tuple) -> None:
+        kind, rid, voice, value, at = item
+        if kind == "abort":
+            core.drop(rid)
+            failed.discard(rid)
+        elif rid in failed:
+            pass
+        elif kind == "fail":
+            fail(rid, value, "")
+        else:
+            try:
+                core.add(kind, rid, voice, value, at)
+            except Exception as exc:  # noqa: BLE001 -- fail this request, keep serving the others
+                fail(rid, _short(exc), traceback.format_exc())
+
+    stopping = False  # told to stop (or the decoder is gone): decode what was sent, then end
     try:
         while True:
-            item = inbox.get()
-            if item is None:
-                return
-            kind, rid, voice, value = item
-            if kind == "abort":
-                core.drop(rid)
-                failed.discard(rid)
-                continue
-            if rid in failed:
-                continue
-            if kind == "fail":
-                core.drop(rid)
-                failed.add(rid)
-                send(("error", rid, value, ""))
+            # everything that has arrived goes into the ready set; wait only
+            # when nothing is ready to decode
+            while not stopping:
+                if core.queued:
+                    try:
+                        item = inbox.get_nowait()
+                    except queue.Empty:
+                        break
+                else:
+                    if reported:
+                        reported = 0
+                        send(("queue", 0))
+                    item = inbox.get()
+                if item is None:
+                    stopping = True
+                else:
+                    take(item)
+            rid = core.next()
+            if rid is None:
+                if stopping:
+                    return
                 continue
             try:
-                core.handle(kind, rid, voice, value, emit)
+                core.decode_next(rid, emit)
             except Exception as exc:  # noqa: BLE001 -- fail this request, keep serving the others
-                core.drop(rid)
-                failed.add(rid)
-                # the decoder logs it, with its own log setup
-                send(("error", rid, _short(exc), traceback.format_exc()))
+                fail(rid, _short(exc), traceback.format_exc())
     finally:
         reader.close()
         results.close()
@@ -272,6 +396,7 @@ class _Worker:
     ready: threading.Event = field(default_factory=threading.Event)
     load: int = 0  # requests pinned to it
     slots: set[tuple[int, int]] = field(default_factory=set)  # (slot, generation) not yet read
+    queued: int = 0  # chunks ready in it and not yet decoded, as it last said
     sender: threading.Thread | None = None
     reader: threading.Thread | None = None
 
@@ -406,6 +531,7 @@ class Code2WavProcessPool:
             if w.ready.is_set() and w.alive:
                 metrics.CODE2WAV_WORKERS.dec()
             w.alive = False
+            self._set_queued(w, 0)
             self._close_pipes(w)
         if self.arena is not None:
             self.arena.close()
@@ -552,7 +678,10 @@ class Code2WavProcessPool:
                 for slot, gen in msg[1]:
                     self.arena.release(slot, gen)
             elif kind == "audio":
-                _, rid, audio, last, reason, chunk = msg
+                _, rid, audio, last, reason, chunk, queued, first_wait = msg
+                self._set_queued(w, queued)
+                if first_wait is not None:
+                    metrics.CODE2WAV_FIRST_CHUNK_WAIT.observe(first_wait)
                 with self._lock:
                     self.chunks += int(chunk)
                     pin = self._pins.get(rid)
@@ -575,12 +704,21 @@ class Code2WavProcessPool:
                     logger.error("code2wav failed for request %s (worker %d): %s; failing it\n%s",
                                  rid, w.index, text, trace.rstrip())
                     self._fail(rid, UnavailableError(f"code2wav failed: {text}"))
+            elif kind == "queue":
+                self._set_queued(w, msg[1])
             elif kind == "ready":
                 with self._lock:
                     if w.alive and not self._stopping:
                         w.ready.set()
                         metrics.CODE2WAV_WORKERS.inc()
         self._exited(w)
+
+    def _set_queued(self, w: _Worker, queued: int) -> None:
+        """w's ready chunks now (0 once it is gone), into the gauge of all workers."""
+        with self._lock:
+            delta, w.queued = queued - w.queued, queued
+        if delta:
+            metrics.CODE2WAV_QUEUE_CHUNKS.inc(delta)
 
     @staticmethod
     def _close_pipes(w: _Worker) -> None:
@@ -625,6 +763,7 @@ class Code2WavProcessPool:
                 self.arena.release(slot, gen)
             if was_ready:
                 metrics.CODE2WAV_WORKERS.dec()
+            self._set_queued(w, 0)
             self.restarts += 1
             metrics.CODE2WAV_RESTARTS.inc()
             code = w.process.exitcode

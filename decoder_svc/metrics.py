@@ -95,3 +95,15 @@ CODE2WAV_INLINE_FALLBACKS = Counter(
     "by reason (no_slot: none free in time; too_large: more than a slot holds)",
     ["reason"],
 )
+CODE2WAV_QUEUE_CHUNKS = Gauge(
+    "omni_decoder_code2wav_queue_chunks",
+    "code2wav chunks ready (their frames arrived) and not yet decoded, all workers together",
+)
+# 1 ms .. 10 s: idle, a first chunk waits for nothing; under load, for the
+# chunks decoded before it
+CODE2WAV_FIRST_CHUNK_WAIT = Histogram(
+    "omni_decoder_code2wav_first_chunk_wait_seconds",
+    "Time a request's first code2wav chunk waited: from the arrival of the frames that "
+    "completed it at its worker to the start of its decode",
+    buckets=(1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+)

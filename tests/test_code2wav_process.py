@@ -17,8 +17,9 @@ import pytest
 import torch
 
 from decoder_svc import metrics
-from decoder_svc.code2wav_proc import Code2WavProcessPool
-from decoder_svc.fake_engine import FakeVocoderFactory
+from decoder_svc.code2wav import ChunkState
+from decoder_svc.code2wav_proc import Code2WavProcessPool, PendingRequest, next_request
+from decoder_svc.fake_engine import FakeVocoderFactory, FakeVocoderStream
 from decoder_svc.pipeline import Code2WavWorker
 from decoder_svc.profile import load_profile
 from omni_common.shm_arena import list_segments
@@ -36,10 +37,12 @@ def fake_vocoder():
 
 
 class Collector:
-    """emit/on_error of a code2wav stage: chunks per request, in arrival order."""
+    """emit/on_error of a code2wav stage: chunks per request, in arrival order;
+    `order`: (request, its chunk index, the queue gauge then) of every chunk."""
 
     def __init__(self) -> None:
         self.chunks: dict[str, list[tuple[bytes, bool, str]]] = {}
+        self.order: list[tuple[str, int, float]] = []
         self.errors: dict[str, BaseException] = {}
         self.error_calls = 0
         self.cond = threading.Condition()
@@ -47,6 +50,7 @@ class Collector:
     def emit(self, rid: str, audio: np.ndarray, last: bool, reason: str) -> None:
         assert audio.dtype == np.float32
         with self.cond:
+            self.order.append((rid, len(self.chunks.get(rid, ())), metrics.CODE2WAV_QUEUE_CHUNKS._value.get()))
             self.chunks.setdefault(rid, []).append((audio.tobytes(), last, reason))
             self.cond.notify_all()
 
@@ -107,6 +111,31 @@ def thread_reference(calls, vocoder=None) -> tuple[dict, int]:
     return col.chunks, worker.chunks
 
 
+def in_order(calls, vocoder=None) -> dict:
+    """The chunks of `calls` decoded at once, call by call (no scheduling):
+    per request the same chunks, last flags and bytes any order must give."""
+    voc = vocoder or fake_vocoder()
+    cfg = gen_config()
+    states: dict[str, ChunkState] = {}
+    out: dict[str, list[tuple[bytes, bool, str]]] = {}
+    for kind, rid, voice, value in calls:
+        st = states.get(rid)
+        if st is None:
+            st = states[rid] = ChunkState(cfg.initial_chunk_ramp, cfg.codec_chunk_frames, voc.new_stream(voice), Q)
+        final = kind == "finish"
+        if not final:
+            st.add(value[value[:, 0] < V])
+        chunks = st.ready_chunks(final)
+        for i, (start, end) in enumerate(chunks):
+            last = final and i == len(chunks) - 1
+            out.setdefault(rid, []).append((st.decode(start, end).tobytes(), last, value if last else ""))
+        if final:
+            if not chunks:
+                out.setdefault(rid, []).append((b"", True, value))
+            del states[rid]
+    return out
+
+
 def pool(col: Collector, prefix: str, **kw) -> Code2WavProcessPool:
     kw.setdefault("vocoder", fake_vocoder())
     return Code2WavProcessPool(gen_config(), col.emit, shm_prefix=prefix, on_error=col.on_error, **kw)
@@ -152,6 +181,7 @@ def test_worker_processes_give_the_thread_workers_audio_byte_for_byte(prefix):
         p.stop()
     assert not col.errors
     assert col.chunks == want  # same chunks, same order, same bytes, same endings
+    assert want == in_order(calls)  # and both the chunks of decoding each call at once
     assert p.chunks == want_chunks
     assert p.inline_fallbacks == 0, "default slots hold a step's frames"
     # and what both produce is the vocoder's whole-sequence decode
@@ -486,3 +516,139 @@ def test_decoder_with_code2wav_workers_survives_a_killed_worker_and_stops_clean(
             proc.kill()
             proc.wait(10)
         log.close()
+
+
+class FakeGatedStream:
+    def __init__(self, inner: FakeVocoderStream, gate: str, entered: str) -> None:
+        self.inner, self.gate, self.entered = inner, gate, entered
+
+    def push(self, codes: np.ndarray) -> np.ndarray:
+        open(self.entered, "a").close()
+        while not os.path.exists(self.gate):
+            time.sleep(0.005)
+        return self.inner.push(codes)
+
+
+class FakeGatedVocoderFactory(FakeVocoderFactory):
+    """The fake engine's vocoder, except that a chunk of `gated_voice` holds its
+    worker until the file `gate` exists (it creates `entered` first): a worker
+    busy for as long as a test says. Importable by a worker process."""
+
+    def __init__(self, gate: str, entered: str, gated_voice: str = "fable", **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.gate, self.entered, self.gated_voice = gate, entered, gated_voice
+
+    def new_stream(self, voice: str):
+        stream = super().new_stream(voice)
+        return FakeGatedStream(stream, self.gate, self.entered) if voice == self.gated_voice else stream
+
+    def worker_spec(self) -> tuple[str, dict]:
+        _, kwargs = super().worker_spec()
+        return "tests.test_code2wav_process:FakeGatedVocoderFactory", {
+            **kwargs, "gate": self.gate, "entered": self.entered, "gated_voice": self.gated_voice}
+
+
+def wait_until(what, timeout: float, why: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not what():
+        assert time.monotonic() < deadline, f"timed out waiting: {why}"
+        time.sleep(0.01)
+
+
+def first_waits() -> float:
+    from prometheus_client import REGISTRY
+
+    return REGISTRY.get_sample_value("omni_decoder_code2wav_first_chunk_wait_seconds_count") or 0.0
+
+
+@pytest.mark.parametrize("where", ["thread", "process"])
+def test_a_new_requests_first_chunk_goes_before_the_queued_later_chunks_of_others(prefix, tmp_path, where):
+    """The worker is busy (a gated chunk); meanwhile later chunks of running
+    requests queue up, then a new request's first frames arrive and a running
+    request is aborted. Once the worker is free, the new request's first chunk
+    goes first (in arrival order it would be last), the aborted request's
+    queued chunks never; each request's audio is the in-order decode's."""
+    gate, entered = tmp_path / "gate", tmp_path / "entered"
+    voc = FakeGatedVocoderFactory(str(gate), str(entered), num_codebooks=Q, codec_vocab=V,
+                                  left_context=gen_config().codec_left_context_frames)
+    col = Collector()
+    if where == "thread":
+        stage = Code2WavWorker(gen_config(), col.emit, vocoder=voc, on_error=col.on_error)
+    else:
+        stage = pool(col, prefix, workers=1, vocoder=voc)
+    rng = np.random.default_rng(8)
+    calls = []
+
+    def call(kind, rid, voice, value):
+        if not isinstance(value, str):
+            value = rng.integers(0, V, size=(value, Q), dtype=np.int64)
+        calls.append((kind, rid, voice, value))
+        getattr(stage, kind)(rid, voice, value)
+
+    gauge, waits = metrics.CODE2WAV_QUEUE_CHUNKS._value.get(), first_waits()
+    running = ("r0", "r1", "r2", "r3")
+    stage.start()
+    try:
+        assert where == "thread" or stage.wait_ready(READY_S), "worker did not come up"
+        for rid in running:
+            call("frames", rid, "default", 5)  # the first ramp chunk
+        col.wait(lambda: all(rid in col.chunks for rid in running), 60, "first chunks of the running requests")
+        call("frames", "busy", "fable", 5)
+        wait_until(entered.exists, 60, "the worker is in the gated chunk")
+        for rid in running:  # their second and third chunks
+            call("frames", rid, "default", 10)
+            call("frames", rid, "default", 25)
+        call("frames", "new", "echo", 5)
+        stage.abort("r3")
+        if where == "process":  # every frame is in the worker (its slot came back)
+            wait_until(lambda: stage.arena.in_use == 0, 60, "the worker took the frames")
+            assert stage.inline_fallbacks == 0
+        gate.touch()
+        for rid, voice in (("r0", "default"), ("r1", "default"), ("r2", "default"), ("busy", "fable"),
+                           ("new", "echo")):
+            call("finish", rid, voice, "stop")
+        col.wait(lambda: all(col.ended(r) for r in ("r0", "r1", "r2", "busy", "new")), 60, "all ended")
+    finally:
+        stage.stop()
+    assert not col.errors
+    order = [(rid, i) for rid, i, _ in col.order]
+    after = order[order.index(("busy", 0)) + 1:]
+    assert after[0] == ("new", 0), f"not the new request's first chunk first: {after}"
+    assert all(("r" + str(i), 1) in after for i in range(3))
+    # the queued later chunks were there when it went: the gauge counted them
+    assert col.order[order.index(("new", 0))][2] >= gauge + 6
+    assert len(col.chunks["r3"]) == 1, "an aborted request's queued chunks were decoded"
+    want = in_order([c for c in calls if c[1] != "r3"])
+    assert {r: c for r, c in col.chunks.items() if r != "r3"} == want
+    assert col.chunks["r3"] == in_order([c for c in calls if c[1] == "r3"])["r3"][:1]
+    assert metrics.CODE2WAV_QUEUE_CHUNKS._value.get() == gauge
+    assert first_waits() == waits + 6  # r0-r3, busy, new
+
+
+def test_after_first_chunks_the_request_closest_to_running_dry_goes_next():
+    """next_request: a first chunk before all else (the oldest first), then
+    the least slack (audio emitted - seconds since the first audio), then age."""
+
+    def req(seq, ready=1, audio_s=0.0, first_audio_at=None):
+        r = PendingRequest(f"q{seq}", seq, state=None, audio_s=audio_s, first_audio_at=first_audio_at)
+        r.ready.extend([(0, 1, False, "", 0.0)] * ready)
+        return r
+
+    old = req(0, audio_s=6.0, first_audio_at=100.0)  # 6 s emitted since 100: at 103, 3 s buffered
+    young = req(1, audio_s=2.0, first_audio_at=102.0)  # at 103, 1 s buffered
+    assert next_request([old, young], now=103.0) is young
+    assert young.slack(103.0) == 1.0 and old.slack(103.0) == 3.0
+    # ran dry: negative slack, still the least
+    assert next_request([old, young], now=110.0) is young
+    # equal slack: the older request
+    even = req(2, audio_s=5.0, first_audio_at=101.0)
+    assert even.slack(103.0) == old.slack(103.0)
+    assert next_request([even, old], now=103.0) is old
+    # nothing ready: not a candidate, however dry
+    dry_idle = req(4, ready=0, audio_s=0.1, first_audio_at=100.0)
+    assert next_request([old, dry_idle], now=103.0) is old
+    # a first chunk (no audio yet) goes before the driest; the oldest first chunk first
+    newest, newer = req(9), req(8)
+    assert next_request([old, young, newest], now=103.0) is newest
+    assert next_request([newest, young, newer], now=103.0) is newer
+    assert next_request([dry_idle], now=103.0) is None
