@@ -95,6 +95,11 @@ class RequestContext:
     # chunk): upstream tokens delivered so far, handovers made (0: not started)
     upstream_tokens: int = 0
     handovers: int = 0
+    # the upstream AR stage still produces while the next one already runs
+    # (streamed input): the request completes only after both are done
+    upstream_open: bool = False
+    # the audio ended while upstream_open: its finish reason, until the upstream ends
+    audio_reason: str = ""
 
     sample_rate: int = 24_000
 
@@ -316,6 +321,7 @@ class Code2WavWorker:
         self.num_codebooks = self._core.num_codebooks
         self.codebook_size = self._core.codebook_size
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._queued = 0  # the core's ready chunks, as the gauge has them
         self._thread = threading.Thread(target=self._loop, name="code2wav", daemon=True)
         self.pids: list[int] = []  # no worker process: it runs on a thread here
 
@@ -327,43 +333,85 @@ class Code2WavWorker:
         self._thread.start()
 
     def stop(self) -> None:
+        """Decode what was sent, then end."""
         self._queue.put(None)
         self._thread.join(timeout=30)
+        self._report()
 
     def frames(self, request_id: str, voice: str, codes: np.ndarray) -> None:
-        self._queue.put(("frames", request_id, voice, codes))
+        self._queue.put(("frames", request_id, voice, codes, self._core.clock()))
 
     def finish(self, request_id: str, voice: str, reason: str) -> None:
-        self._queue.put(("finish", request_id, voice, reason))
+        self._queue.put(("finish", request_id, voice, reason, self._core.clock()))
 
     def abort(self, request_id: str) -> None:
-        self._queue.put(("abort", request_id, "", None))
+        self._queue.put(("abort", request_id, "", None, 0.0))
 
     def _loop(self) -> None:
+        """Items arrive on the queue (the callers never wait); everything that
+        has arrived goes into the core's ready set, which decides the chunk
+        decoded next (first chunks first, then the request closest to
+        running dry: Code2WavCore)."""
+        core = self._core
+        stopping = False
         while True:
-            item = self._queue.get()
-            if item is None:
-                return
-            kind, rid, voice, value = item
-            if kind == "abort":
-                self._core.drop(rid)
+            while not stopping:
+                if core.queued:
+                    try:
+                        item = self._queue.get_nowait()
+                    except queue.Empty:
+                        break
+                else:
+                    self._report()
+                    item = self._queue.get()
+                if item is None:
+                    stopping = True
+                else:
+                    self._take(item)
+            rid = core.next()
+            if rid is None:
+                if stopping:
+                    return
                 continue
             try:
-                self._handle(kind, rid, voice, value)
+                core.decode_next(rid, self._emit)
             except Exception as exc:  # noqa: BLE001 -- fail this request, keep serving the others
-                self._core.drop(rid)
-                metrics.INTERNAL_ERRORS.labels("code2wav").inc()
-                logger.error("code2wav failed for request %s; failing it", rid, exc_info=exc)
-                if self.on_error is not None:
-                    try:
-                        self.on_error(rid, exc)
-                    except Exception:  # noqa: BLE001 -- the worker keeps serving
-                        logger.exception("failing request %s failed", rid)
+                self._fail(rid, exc)
 
-    def _handle(self, kind: str, rid: str, voice: str, value) -> None:
+    def _take(self, item: tuple) -> None:
+        kind, rid, voice, value, at = item
+        if kind == "abort":
+            self._core.drop(rid)
+            return
         if not self._core.has(rid) and self.live is not None and not self.live(rid):
             return
-        self._core.handle(kind, rid, voice, value, self.emit)
+        try:
+            self._core.add(kind, rid, voice, value, at)
+        except Exception as exc:  # noqa: BLE001 -- fail this request, keep serving the others
+            self._fail(rid, exc)
+
+    def _emit(self, rid: str, audio: np.ndarray, last: bool, reason: str) -> None:
+        self._report()
+        if self._core.first_wait is not None:
+            metrics.CODE2WAV_FIRST_CHUNK_WAIT.observe(self._core.first_wait)
+        self.emit(rid, audio, last, reason)
+
+    def _report(self) -> None:
+        """The core's ready chunks into the gauge (this worker's share)."""
+        queued = self._core.queued
+        if queued != self._queued:
+            metrics.CODE2WAV_QUEUE_CHUNKS.inc(queued - self._queued)
+            self._queued = queued
+
+    def _fail(self, rid: str, exc: Exception) -> None:
+        self._core.drop(rid)
+        metrics.INTERNAL_ERRORS.labels("code2wav").inc()
+        logger.error("code2wav failed for request %s; failing it", rid, exc_info=exc)
+        if self.on_error is not None:
+            try:
+                self.on_error(rid, exc)
+            except Exception:  # noqa: BLE001 -- the worker keeps serving
+                logger.exception("failing request %s failed", rid)
 
 
 class Pipeline:
@@ -724,7 +772,7 @@ class Pipeline:
                     for key, t in tensors.items():
                         ctx.handoff.setdefault(key, []).append(t.clone())
                     ctx.upstream_tokens += 1  # one sampled token per row and step (no speculative decoding)
-                    if self._streamed[next_ar.stage_id] and not req.finished:
+                    if self._streamed[next_ar.stage_id] and not req.finished and not ctx.audio_reason:
                         self._stream_to(next_ar, ctx)
             # 4)
             if req.finished:
@@ -737,10 +785,20 @@ class Pipeline:
                     self.code2wav.finish(rid, ctx.spec.voice, reason)
                 else:
                     ctx.upstream_reason = reason
-                    if ctx.handovers:  # started from an earlier chunk: the rest, and the end
+                    if not ctx.handovers:
+                        self._hand_to(next_ar, ctx)
+                        continue
+                    # started from an earlier chunk: the rest, and the end -- or,
+                    # when the audio already ended (its cap), the request completes
+                    with self._lock:
+                        ctx.upstream_open = False
+                        audio_reason = ctx.audio_reason
+                    if not audio_reason:
                         self._stream_to(next_ar, ctx, finished=True)
                     else:
-                        self._hand_to(next_ar, ctx)
+                        if audio_reason == STOP and reason == LENGTH:
+                            audio_reason = LENGTH
+                        self._emit_audio(rid, np.zeros(0, dtype=np.float32), True, audio_reason)
 
     def _loops(self, guard: RepetitionGuard, codes: np.ndarray) -> bool:
         """Feed a request's new frames (codebook 0; end-of-speech rows left
@@ -758,8 +816,11 @@ class Pipeline:
                     "(%d frames in); ending it", rid, guard.period if guard else 0,
                     guard.window if guard else 0, guard.frames if guard else 0)
         metrics.REPETITION_STOPS.inc()
+        with self._lock:  # an upstream stage still producing (streamed input) stops too
+            upstream = ctx.upstream_open
+            ctx.upstream_open = False
         for s in self.ar_configs:
-            if s.stage_id == stage_id:
+            if s.stage_id == stage_id or (upstream and s.stage_id < stage_id):
                 try:
                     self.backends[s.name].abort(rid)
                 except Exception:  # noqa: BLE001 -- the request ends either way
@@ -807,6 +868,7 @@ class Pipeline:
             ctx.spec, conditioning=cond, max_tokens=ctx.audio_frames, streaming=streaming
         )
         ctx.handovers = 1
+        ctx.upstream_open = streaming
         backend = self.backends[stage.name]
         try:
             backend.add_request(spec)
@@ -833,6 +895,12 @@ class Pipeline:
         if ctx.first_audio_s is None and audio.size:
             ctx.first_audio_s = time.perf_counter()
         ctx.audio_samples += int(audio.size)
+        if last:
+            with self._lock:
+                if ctx.upstream_open:  # the text goes on: this chunk is not the end yet
+                    ctx.audio_reason, last, reason = reason, False, ""
+            if not last and not audio.size:
+                return
         payload = payload_pb2.MultimodalPayload()
         if audio.size or last:
             payload.tensors.add(name="audio", tensor=encode_inline(torch.from_numpy(audio)))

@@ -468,3 +468,29 @@ def test_abort_a_held_request(omni, streamed):
             talker.extend_request(rid, _cond(steps[rid][:1]), finished=True)
     finally:
         assert talker.abort(rid)
+
+
+def test_held_requests_filling_the_batch_leave_the_stage_idle(omni, streamed):
+    """Every running request held and one more waiting for a batch slot: the
+    stage sleeps (no spinning on empty steps) until input arrives, then all
+    finish with the one-shot codes."""
+    engine, _ = omni
+    talker = engine.backends["talker"]
+    steps, prepared = streamed["steps"], streamed["prepared"]
+    rid = "greedy-eot"
+    parts = steps[rid]
+    cap = talker._scheduler.max_num_running_reqs
+    ids = [f"full-{i}" for i in range(cap + 1)]
+    for i in ids:
+        talker.add_request(dataclasses.replace(prepared[rid], request_id=i, max_tokens=TALKER_FRAMES,
+                                               conditioning=_cond(parts[:2]), streaming=True))
+    codes: dict[str, list] = {}
+    _step_until_idle(talker, codes)  # fails if the stage keeps reporting work it cannot do
+    assert sorted(len(codes.get(i, [])) for i in ids) == [0] + [1] * cap, codes.keys()
+    assert talker.step() is None and not talker.has_unfinished()
+    for i in ids:
+        talker.extend_request(i, _cond(parts[2:]), finished=True)
+    assert talker.has_unfinished()
+    _step_until_idle(talker, codes, limit=5000)
+    for i in ids:
+        assert torch.equal(torch.stack(codes[i]), streamed["one_shot"][rid]), i

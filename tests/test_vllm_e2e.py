@@ -152,6 +152,22 @@ def first_audio_and_thinker_end(stack: Stack, text: str, max_tokens: int) -> tup
     return audio[0], texts[-1], len(outs)
 
 
+def generate_final(stack: Stack, text: str, max_tokens: int, audio_s: float) -> gateway_pb2.OmniRequestOutput:
+    with grpc.insecure_channel(stack.gateway_target) as ch:
+        stub = gateway_pb2_grpc.OmniGatewayServiceStub(ch)
+        req = gateway_pb2.OmniGatewayServiceGenerateRequest(
+            prompt=text, output_modalities="text+audio", output_kind=gateway_pb2.OUTPUT_KIND_FINAL_ONLY,
+            sampling_params=common_pb2.SamplingParams(seed=5, temperature=0.8, max_tokens=max_tokens,
+                                                      max_audio_seconds=audio_s))
+        (out,) = [r.output for r in stub.Generate(req, timeout=300)]
+    assert out.finished
+    return out
+
+
+def audio_bytes(out: gateway_pb2.OmniRequestOutput) -> int:
+    return sum(len(t.tensor.inline_data) for t in out.multimodal.tensors if t.name == "audio")
+
+
 def test_omni_text_and_audio_async_equals_sync(tmp_path_factory, checkpoint):
     results = {}
     for sync in (False, True):
@@ -162,6 +178,13 @@ def test_omni_text_and_audio_async_equals_sync(tmp_path_factory, checkpoint):
             # last text.
             first_audio, last_text, n = first_audio_and_thinker_end(stack, "Tell me a long story.", 48)
             assert first_audio < last_text, f"{first_audio=} {last_text=} of {n} outputs"
+            # The audio reaching its cap long before the text ends cuts no text.
+            short = generate_final(stack, "Tell me a long story.", 40, 0.4)
+            full = generate_final(stack, "Tell me a long story.", 40, 5.12)
+            assert len(short.text.token_ids) == 40 and short.text.text == full.text.text
+            assert short.finish_reason == "length", short.finish_reason
+            assert 0 < audio_bytes(short) < audio_bytes(full)
+            assert decoder_info(stack).active_requests == 0, "a stage still runs a finished request"
             results[sync] = generate_all(stack)
             paths = {s.name: s.output_path for s in decoder_info(stack).stages}
             want = decoder_pb2.OUTPUT_PATH_SYNC if sync else decoder_pb2.OUTPUT_PATH_ASYNC

@@ -446,6 +446,8 @@ class TalkerBackend(VLLMBackend):
                 self._builders.pop(request_id, None)
         if builder.complete:
             self._input_complete(request_id)
+        else:
+            self._input_arrived()
 
     def _held_requests(self, candidates: list[tuple[str, int]]) -> set[str]:
         # decode step k of a request (position prompt_len + k) reads trailing[k]

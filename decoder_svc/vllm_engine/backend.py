@@ -312,6 +312,9 @@ class VLLMBackend:
         self._updated: list[Any] = []  # SchedulerOutputs processed during the current engine.step()
         self._streaming: set[str] = set()  # live external ids whose input is still arriving
         self._in_flight: dict[int, Any] = {}  # scheduled steps with tokens, not processed yet
+        # the last schedule held requests and scheduled nothing: no step can make
+        # progress until input arrives, a request is added or one is aborted
+        self._stalled = False
         self._scheduler: Any = None
         self._ready: deque[VLLMStepOutput] = deque()
         self._closed = False
@@ -464,6 +467,9 @@ class VLLMBackend:
                     ]
             if out.total_num_scheduled_tokens > 0:
                 in_flight[id(out)] = out
+            # Held requests fill the batch (or keep KV blocks a waiting request
+            # needs) and nothing else could run: sleep until the input changes.
+            self._stalled = bool(held) and out.total_num_scheduled_tokens == 0
             return out
 
         sched.update_from_output = update_from_output
@@ -491,6 +497,8 @@ class VLLMBackend:
             return False
         if not self._streaming or self._in_flight or self._scheduler is None:
             return True
+        if self._stalled:
+            return False
         sched = self._scheduler
         return sched.get_num_unfinished_requests() > len(self._held(sched))
 
@@ -621,6 +629,7 @@ class VLLMBackend:
                 raise InvalidArgumentError("prompt", str(exc)) from exc
             self._ext_of[internal] = spec.request_id
             self._int_of[spec.request_id] = internal
+            self._stalled = False
             if spec.streaming:
                 self._streaming.add(spec.request_id)
 
@@ -634,10 +643,16 @@ class VLLMBackend:
             f"stage {self.name!r} takes its input in one piece; it cannot be extended"
         )
 
+    def _input_arrived(self) -> None:
+        """More input for a streaming request: a stalled stage may go on."""
+        with self._lock:
+            self._stalled = False
+
     def _input_complete(self, request_id: str) -> None:
         """A streaming request's input is all there: it is never held again."""
         with self._lock:
             self._streaming.discard(request_id)
+            self._stalled = False
 
     def abort(self, request_id: str) -> bool:
         with self._lock:
@@ -646,6 +661,7 @@ class VLLMBackend:
                 return False
             self._ext_of.pop(internal, None)
             self._streaming.discard(request_id)
+            self._stalled = False
             if not self._closed:
                 self.engine.abort_request([internal], internal=True)
             self._forget(request_id)
