@@ -92,6 +92,9 @@ class CudaStaging:
         The tensors must not be written after this call (module docstring).
         """
         on_device = [t for t, _ in tensors.values() if t.device.type == "cuda"]
+        wrong = {str(t.device) for t in on_device if t.device != self.device}
+        if wrong:  # a stage's tensors live on one device: its stream orders the copies
+            raise ValueError(f"CUDA staging for {self.device} was given tensors on {sorted(wrong)}")
         if on_device:
             self.stream.wait_stream(torch.cuda.current_stream(self.device))  # 1)
         handles = {}

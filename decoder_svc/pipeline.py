@@ -264,7 +264,8 @@ class StageRunner:
                 self.link.submit(take_snapshot(meta, tensors, None))
                 return
             if self._staging is None and any(t.is_cuda for t, _ in tensors.values()):
-                self._staging = CudaStaging(arena)
+                device = next(t.device for t, _ in tensors.values() if t.is_cuda)
+                self._staging = CudaStaging(arena, device)
             leases = self._leases
             leases.lease = None
             leases.waited_s = 0.0

@@ -271,7 +271,8 @@ class LocalStep:
             req = out.requests.add(request_id=r.request_id, finished=r.finished)
             for key, t in r.inter_stage.items():
                 req.inter_stage.tensors.add(name=key, tensor=encode_inline(t))
-            req.client.CopyFrom(client_payload(r.client))
+            if r.client:  # unset when the request has no client payload, as build_step leaves it
+                client_payload(r.client, into=req.client)
         out.connector_signals.extend(self.connector_signals)
         return out
 

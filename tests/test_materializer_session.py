@@ -282,6 +282,10 @@ def test_the_tensor_builder_routes_what_the_message_builder_encodes(downstream):
         assert [name for name, _ in r.client] == ["ids", "h_last"]
         assert sorted(r.inter_stage) == (["codes", "h_all"] if r.request_id in downstream else [])
     assert torch.equal(local.requests[0].inter_stage.get("h_all", hidden[:4]), hidden[:4])
+    # no client route (a thinker's or talker's plan): the client payload stays unset in both
+    inter_only = materializer_pb2.StagePlan(routes=[plan.routes[0], plan.routes[3]])
+    wire = build_step(view, inter_only).SerializeToString(deterministic=True)
+    assert build_local_step(view, inter_only).to_proto().SerializeToString(deterministic=True) == wire
 
 
 def test_duplicate_step_tensor_names_are_refused():
