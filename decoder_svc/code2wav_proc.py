@@ -22,7 +22,8 @@ What travels where:
   message, so a pipe's copy costs little and needs no slot bookkeeping in the
   other direction (a worker killed mid-write leaves nothing to reclaim).
 
-A request is pinned to the least-loaded worker at its first frame, so its
+A request is pinned to the least-loaded worker at its first frame (of those
+whose vocoder is built, if any: not to one still starting), so its
 chunk state (left context, stream state) lives in one process, and one reader
 thread per worker calls ``emit`` in order. A worker decodes its ready chunks
 not in arrival order but first chunks first, then the request closest to
@@ -31,7 +32,9 @@ running dry (``next_request``); each request's chunks stay in order.
 writes to the pipe, so a slow worker never blocks the caller. A worker that
 exits (SIGKILL included) fails only the requests pinned to it
 (``on_error``), its slots are reclaimed and it is restarted; new requests
-are served by the new process.
+are served by the new process. A restart that cannot start its process
+fails the requests pinned to it meanwhile and is retried, waiting longer
+each time.
 """
 
 from __future__ import annotations
@@ -461,6 +464,10 @@ class Code2WavProcessPool:
         self._starved = False  # the last acquire found no slot in time
         self._stop_event = threading.Event()
         self._restarting: set[threading.Thread] = set()
+        # frames() calls writing into the arena now: stop() waits for them
+        # before it unmaps the arena
+        self._staging = 0
+        self._staged = threading.Condition(self._lock)
 
     # -- lifecycle ---------------------------------------------------------------
     def start(self) -> None:
@@ -475,30 +482,49 @@ class Code2WavProcessPool:
             raise
 
     def _launch(self, w: _Worker) -> None:
-        """Start w's process and its sender and reader threads."""
-        cmd_child, cmd_ours = self._ctx.Pipe(duplex=False)
-        res_ours, res_child = self._ctx.Pipe(duplex=False)
-        c = self.config
-        w.process = self._ctx.Process(
-            target=worker_main,
-            args=(self.spec, tuple(c.initial_chunk_ramp), int(c.codec_chunk_frames), self.shm_prefix,
-                  cmd_child, res_child, self.torch_threads),
-            name=f"code2wav-{w.index}",
-            daemon=True,
-        )
+        """Start w's process and its sender and reader threads. On failure
+        (spawn, no file descriptors, no memory) nothing of it is left running
+        or open, and the error is raised."""
+        ends = []
         try:
-            w.process.start()
-        finally:
-            # Only the child holds its ends now: its exit closes the result
-            # pipe (EOF for our reader), ours closing stops it.
-            cmd_child.close()
-            res_child.close()
+            cmd_child, cmd_ours = self._ctx.Pipe(duplex=False)
+            ends += [cmd_child, cmd_ours]
+            res_ours, res_child = self._ctx.Pipe(duplex=False)
+            ends += [res_ours, res_child]
+            c = self.config
+            w.process = self._ctx.Process(
+                target=worker_main,
+                args=(self.spec, tuple(c.initial_chunk_ramp), int(c.codec_chunk_frames), self.shm_prefix,
+                      cmd_child, res_child, self.torch_threads),
+                name=f"code2wav-{w.index}",
+                daemon=True,
+            )
+            try:
+                w.process.start()
+            finally:
+                # Only the child holds its ends now: its exit closes the result
+                # pipe (EOF for our reader), ours closing stops it.
+                cmd_child.close()
+                res_child.close()
+        except BaseException:
+            for end in ends:
+                end.close()
+            w.process = None
+            raise
         w.commands, w.results = cmd_ours, res_ours
         logger.info("code2wav worker %d started (pid %d)", w.index, w.process.pid)
-        w.sender = threading.Thread(target=self._send_loop, args=(w,), name=f"code2wav-send-{w.index}", daemon=True)
-        w.sender.start()
-        w.reader = threading.Thread(target=self._read_loop, args=(w,), name=f"code2wav-read-{w.index}", daemon=True)
-        w.reader.start()
+        try:
+            w.sender = threading.Thread(target=self._send_loop, args=(w,), name=f"code2wav-send-{w.index}",
+                                        daemon=True)
+            w.sender.start()
+            w.reader = threading.Thread(target=self._read_loop, args=(w,), name=f"code2wav-read-{w.index}",
+                                        daemon=True)
+            w.reader.start()
+        except BaseException:
+            w.process.kill()
+            w.process.join(5)
+            self._close_pipes(w)
+            raise
 
     def stop(self) -> None:
         """Let the workers finish what was sent (bounded: stop_timeout_s),
@@ -508,6 +534,9 @@ class Code2WavProcessPool:
                 return
             self._stopping = True
             restarting = list(self._restarting)
+            # no frames() starts writing into the arena now; those writing
+            # finish first (a slot write is a memmove into the mapping)
+            self._staged.wait_for(lambda: not self._staging)
         self._stop_event.set()
         for t in restarting:  # a restart under way finishes first (bounded)
             if t is not threading.current_thread():
@@ -561,11 +590,14 @@ class Code2WavProcessPool:
         if w is None:
             return
         arr = np.ascontiguousarray(codes)
-        ref, lease = self._stage(arr)
+        staged = self._stage(arr)
+        if staged is None:  # stopping: the arena is closing
+            return
+        ref, lease = staged
         with self._lock:
             pin = self._pins.get(request_id)
-            if pin is None or pin.worker is not w or not w.alive or pin.failed:
-                send = False  # its worker died meanwhile: the request is failing
+            if self._stopping or pin is None or pin.worker is not w or not w.alive or pin.failed:
+                send = False  # its worker died meanwhile (the request is failing), or we stop
             else:
                 send = True
                 if lease is not None:
@@ -587,7 +619,9 @@ class Code2WavProcessPool:
     def abort(self, request_id: str) -> None:
         with self._lock:
             pin = self._unpin(request_id)
-            if pin is not None and not pin.failed and pin.worker.alive:
+            # failed by its worker (still alive): the worker drops the id's
+            # later items until this abort
+            if pin is not None and pin.worker.alive:
                 pin.worker.sendq.put(("abort", request_id, "", None))
 
     # -- routing -----------------------------------------------------------------
@@ -600,7 +634,9 @@ class Code2WavProcessPool:
 
     def _route(self, request_id: str) -> _Worker | None:
         """The worker of a request; a new request (still live) is pinned to
-        the least-loaded one. None: drop the item."""
+        the least-loaded worker that is ready (its vocoder built), else to
+        the least-loaded one (still starting: its items wait for it). None:
+        drop the item."""
         with self._lock:
             pin = self._pins.get(request_id)
             if pin is not None:
@@ -613,13 +649,29 @@ class Code2WavProcessPool:
                 return None
             pin = self._pins.get(request_id)
             if pin is None:
-                w = min(self._workers, key=lambda x: x.load)
+                alive = [x for x in self._workers if x.alive] or self._workers
+                ready = [x for x in alive if x.ready.is_set()]
+                w = min(ready or alive, key=lambda x: x.load)
                 w.load += 1
                 pin = self._pins[request_id] = _Pin(w)
             return None if pin.failed or pin.finishing else pin.worker
 
     def _stage(self, arr: np.ndarray):
-        """(message reference, lease): the frames in an arena slot, or inline."""
+        """(message reference, lease): the frames in an arena slot, or inline.
+        None: the pool stops (nothing written)."""
+        with self._lock:
+            if self._stopping:
+                return None
+            self._staging += 1
+        try:
+            return self._stage_frames(arr)
+        finally:
+            with self._lock:
+                self._staging -= 1
+                if not self._staging:
+                    self._staged.notify_all()
+
+    def _stage_frames(self, arr: np.ndarray):
         nbytes = arr.nbytes
         reason = "too_large"
         if nbytes <= self.arena.slot_bytes:
@@ -773,14 +825,40 @@ class Code2WavProcessPool:
             for rid in lost:
                 self._fail(rid, UnavailableError("the code2wav worker of the request ended"))
             # one that died starting: no spinning on a vocoder that cannot be built
-            if not was_ready and self._stop_event.wait(min(10.0, 0.5 * 2 ** min(w.number, 5))):
+            self._relaunch(new, backoff=not was_ready)
+        finally:
+            with self._lock:
+                self._restarting.discard(me)
+
+    def _relaunch(self, w: _Worker, backoff: bool) -> None:
+        """Start w (the restart of its index) until a launch succeeds or the
+        pool stops; each failed launch fails the requests pinned to it
+        meanwhile, and the next try waits longer."""
+        while True:
+            if backoff and self._stop_event.wait(min(10.0, 0.5 * 2 ** min(w.number, 5))):
                 return
             if self._stopping:
                 return
             try:
-                self._launch(new)
-            except Exception:
-                logger.exception("code2wav worker %d could not be restarted", new.index)
-        finally:
+                self._launch(w)
+                return
+            except Exception:  # noqa: BLE001 -- retried below; its requests fail
+                logger.exception("code2wav worker %d could not be restarted; retrying", w.index)
             with self._lock:
-                self._restarting.discard(me)
+                w.alive = False
+                lost = [rid for rid, pin in self._pins.items() if pin.worker is w and not pin.failed]
+                for rid in lost:
+                    self._pins[rid] = _Pin(w, failed=True)  # dropped until the pipeline aborts it
+                slots, w.slots = list(w.slots), set()
+                stopping = self._stopping
+                if not stopping:
+                    # the next try takes new requests (queued until it runs)
+                    nxt = _Worker(w.index, w.number + 1)
+                    self._workers[w.index] = nxt
+            for slot, gen in slots:
+                self.arena.release(slot, gen)
+            for rid in lost:
+                self._fail(rid, UnavailableError("the code2wav worker of the request could not be started"))
+            if stopping:
+                return
+            w, backoff = nxt, True

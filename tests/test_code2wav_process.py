@@ -6,6 +6,7 @@ engine's (a test double) unless named otherwise."""
 
 from __future__ import annotations
 
+import errno
 import os
 import signal
 import subprocess
@@ -18,11 +19,12 @@ import torch
 
 from decoder_svc import metrics
 from decoder_svc.code2wav import ChunkState
-from decoder_svc.code2wav_proc import Code2WavProcessPool, PendingRequest, next_request
-from decoder_svc.fake_engine import FakeVocoderFactory, FakeVocoderStream
+from decoder_svc.code2wav_proc import Code2WavProcessPool, PendingRequest, _Worker, next_request
+from decoder_svc.fake_engine import FakeVocoderFactory
 from decoder_svc.pipeline import Code2WavWorker
 from decoder_svc.profile import load_profile
 from omni_common.shm_arena import list_segments
+from tests.fakes.code2wav_vocoders import FakeGatedVocoderFactory
 
 Q, V = 16, 2048
 READY_S = 120.0  # a worker imports torch and builds its vocoder: slow on a loaded host
@@ -294,6 +296,33 @@ def test_a_vocoder_error_fails_only_that_request(prefix):
     assert col.error_calls == 1, "a failed request's later frames start nothing"
     assert col.chunks["good"] == thread_reference(calls)[0]["good"]
     assert p.restarts == 0 and len(pid) == 1
+    assert "bad" not in col.chunks
+
+
+def test_aborting_a_failed_request_clears_it_in_its_worker(prefix):
+    """The worker drops a failed request's later items until the decoder
+    aborts it; the abort reaches it, so it forgets the id (no growing set):
+    the id used again is served."""
+    from tests.fakes.code2wav_vocoders import FakeFailingVocoderFactory
+
+    col = Collector()
+    voc = FakeFailingVocoderFactory(fail_voice="fable", num_codebooks=Q, codec_vocab=V)
+    p = pool(col, prefix, workers=1, vocoder=voc)
+    p.start()
+    rng = np.random.default_rng(9)
+    again = [("frames", "bad", "echo", rng.integers(0, V, size=(12, Q), dtype=np.int64)),
+             ("finish", "bad", "echo", "stop")]
+    try:
+        assert p.wait_ready(READY_S)
+        p.frames("bad", "fable", rng.integers(0, V, size=(8, Q), dtype=np.int64))
+        col.wait(lambda: "bad" in col.errors, 60, "the request failed in its worker")
+        p.abort("bad")  # what the pipeline does when it ends a request
+        drive(p, again)
+        col.wait(lambda: col.ended("bad") and "bad" in col.chunks, 60, "the id used again")
+    finally:
+        p.stop()
+    assert col.error_calls == 1
+    assert col.chunks["bad"] == thread_reference(again)[0]["bad"]
 
 
 def test_frames_return_at_once_while_the_worker_is_stopped(prefix):
@@ -324,6 +353,138 @@ def test_frames_return_at_once_while_the_worker_is_stopped(prefix):
         p.stop()
     assert not col.errors
     assert col.chunks == thread_reference(calls)[0]
+
+
+def test_a_restart_that_cannot_start_fails_its_requests_and_is_tried_again(prefix):
+    """The worker dies and its restart cannot spawn (no file descriptors): the
+    request pinned to the restart meanwhile fails (never waits forever), its
+    slot and pipe ends come back, and the next try serves new requests."""
+    col = Collector()
+    p = pool(col, prefix, workers=1, live=lambda rid: rid not in col.errors)
+    codes = np.random.default_rng(10).integers(0, V, size=(12, Q), dtype=np.int64)
+    p.start()
+    try:
+        assert p.wait_ready(READY_S)
+        ctx, pipes, tries = p._ctx, [], []
+
+        class FailingOnce:
+            """The pool's process context, except that the first process
+            started fails to start."""
+
+            def Pipe(self, duplex):
+                ends = ctx.Pipe(duplex=duplex)
+                pipes.extend(ends)
+                return ends
+
+            def Process(self, **kwargs):
+                proc = ctx.Process(**kwargs)
+                tries.append(proc)
+                if len(tries) == 1:
+                    def start():
+                        p.frames("early", "default", codes)  # arrives while the restart is under way
+                        raise OSError(errno.EMFILE, "Too many open files")
+
+                    proc.start = start
+                return proc
+
+        p._ctx = FailingOnce()
+        (victim,) = p.pids
+        os.kill(victim, signal.SIGKILL)
+        col.wait(lambda: "early" in col.errors, 60, "the request of the failed restart failed")
+        assert "could not be started" in str(col.errors["early"])
+        assert len(pipes) >= 4 and all(end.closed for end in pipes[:4]), "the failed try's pipe ends are open"
+        p.abort("early")
+        calls = [("frames", "new", "echo", codes), ("finish", "new", "echo", "stop")]
+        drive(p, calls)
+        col.wait(lambda: col.ended("new"), 120, "a request after the failed restart")
+        assert "new" not in col.errors
+        assert col.chunks["new"] == thread_reference(calls)[0]["new"]
+        assert len(tries) == 2 and p.wait_ready(READY_S)
+        assert len(p.pids) == 1 and victim not in p.pids
+        assert p.arena.in_use == 0, "the failed try's slot was not reclaimed"
+    finally:
+        p.stop()
+    assert set(col.errors) == {"early"}
+
+
+def test_a_new_request_goes_to_a_ready_worker_before_an_idle_starting_one():
+    """A restarted worker has no load but may be seconds away from its
+    vocoder: new requests go to the least-loaded ready worker; only when none
+    is ready, to the least-loaded one."""
+    p = Code2WavProcessPool(gen_config(), lambda *a: None, vocoder=fake_vocoder(), shm_prefix="omni-c2wunused",
+                            workers=2)
+    up, starting = _Worker(0, 0, load=3), _Worker(1, 1)
+    up.ready.set()
+    p._workers = [up, starting]
+    assert p._route("a") is up and p._route("b") is up
+    assert (up.load, starting.load) == (5, 0)
+    starting.ready.set()
+    assert p._route("c") is starting
+    up.ready.clear()
+    starting.ready.clear()
+    assert p._route("d") is starting  # none ready: the least loaded
+    assert p._route("a") is up  # pinned stays pinned
+
+
+def test_frames_racing_stop_never_write_into_the_closed_arena(prefix):
+    """stop() unmaps the arena; a frames() call between taking a slot and
+    writing it finishes first (stop waits for it), and frames() after stop()
+    drops its frames without touching the arena."""
+    col = Collector()
+    p = pool(col, prefix, workers=1)
+    codes = np.random.default_rng(11).integers(0, V, size=(2, Q), dtype=np.int64)
+    p.start()
+    stopper = threading.Thread(target=p.stop)
+    try:
+        assert p.wait_ready(READY_S)
+        p.frames("s", "default", codes)  # pinned
+        arena = p.arena
+        acquire, close = arena.acquire, arena.close
+        stopping = threading.Event()  # stop() waits for the write, or has closed the arena
+        closed_at_write = []
+
+        class Observed(threading.Condition):
+            def wait_for(self, predicate, timeout=None):
+                if not predicate():
+                    stopping.set()
+                return super().wait_for(predicate, timeout)
+
+        def closing():
+            stopping.set()
+            close()
+
+        def acquire_then_stop(timeout=None):
+            lease = acquire(timeout)
+            stopper.start()
+            assert stopping.wait(60), "stop() neither waited for the write nor closed the arena"
+            closed_at_write.append(arena.closed)
+            if arena.closed:  # the write would be a memmove into unmapped memory
+                raise RuntimeError("arena closed under a write")
+            return lease
+
+        p._staged = Observed(p._lock)
+        arena.close = closing
+        arena.acquire = acquire_then_stop
+        p.frames("s", "default", codes)
+        stopper.join(60)
+        assert not stopper.is_alive()
+    finally:
+        if stopper.is_alive():
+            stopper.join(60)
+        p.stop()
+    assert closed_at_write == [False], "stop() closed the arena under a write"
+    assert arena.closed and arena.in_use == 0
+
+    def refuse(timeout=None):
+        raise AssertionError("frames() after stop() used the arena")
+
+    arena.acquire = refuse
+    fallbacks = p.inline_fallbacks
+    p.frames("s", "default", codes)
+    p.frames("t", "default", codes)
+    p.finish("s", "default", "stop")
+    p.abort("s")
+    assert p.inline_fallbacks == fallbacks and not col.errors and not p.pids
 
 
 def test_stop_kills_a_worker_that_does_not_stop_and_leaves_no_segment(prefix):
@@ -516,36 +677,6 @@ def test_decoder_with_code2wav_workers_survives_a_killed_worker_and_stops_clean(
             proc.kill()
             proc.wait(10)
         log.close()
-
-
-class FakeGatedStream:
-    def __init__(self, inner: FakeVocoderStream, gate: str, entered: str) -> None:
-        self.inner, self.gate, self.entered = inner, gate, entered
-
-    def push(self, codes: np.ndarray) -> np.ndarray:
-        open(self.entered, "a").close()
-        while not os.path.exists(self.gate):
-            time.sleep(0.005)
-        return self.inner.push(codes)
-
-
-class FakeGatedVocoderFactory(FakeVocoderFactory):
-    """The fake engine's vocoder, except that a chunk of `gated_voice` holds its
-    worker until the file `gate` exists (it creates `entered` first): a worker
-    busy for as long as a test says. Importable by a worker process."""
-
-    def __init__(self, gate: str, entered: str, gated_voice: str = "fable", **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.gate, self.entered, self.gated_voice = gate, entered, gated_voice
-
-    def new_stream(self, voice: str):
-        stream = super().new_stream(voice)
-        return FakeGatedStream(stream, self.gate, self.entered) if voice == self.gated_voice else stream
-
-    def worker_spec(self) -> tuple[str, dict]:
-        _, kwargs = super().worker_spec()
-        return "tests.test_code2wav_process:FakeGatedVocoderFactory", {
-            **kwargs, "gate": self.gate, "entered": self.entered, "gated_voice": self.gated_voice}
 
 
 def wait_until(what, timeout: float, why: str) -> None:
