@@ -844,16 +844,23 @@ class Pipeline:
         cond = {key: torch.cat(parts) for key, parts in ctx.handoff.items()}
         ctx.handoff.clear()
         ctx.handovers += 1
+        extend = self.backends[stage.name].extend_request  # type: ignore[attr-defined]
+        if self._stage_call(stage, rid, "continue", lambda: extend(rid, cond, finished)):
+            self.runners[stage.stage_id].notify()
+
+    def _stage_call(self, stage: StageConfig, rid: str, what: str, call: Callable[[], None]) -> bool:
+        """Give a request to the next stage (start or continue it); a refusal
+        ends that request alone, with the stage's error (or a short one)."""
         try:
-            self.backends[stage.name].extend_request(rid, cond, finished)  # type: ignore[attr-defined]
+            call()
         except OmniError as exc:
             self._fail_requests([rid], exc)
-            return
+            return False
         except Exception as exc:  # noqa: BLE001 -- this request ends, the others go on
-            logger.error("stage %s could not take more input of request %s", stage.name, rid, exc_info=exc)
-            self._fail_requests([rid], OmniError(f"stage {stage.name} could not continue the request"))
-            return
-        self.runners[stage.stage_id].notify()
+            logger.error("stage %s could not %s request %s", stage.name, what, rid, exc_info=exc)
+            self._fail_requests([rid], OmniError(f"stage {stage.name} could not {what} the request"))
+            return False
+        return True
 
     def _hand_to(self, stage: StageConfig, ctx: RequestContext, streaming: bool = False) -> None:
         """Start a request on the next AR stage, conditioned on what the
@@ -871,14 +878,7 @@ class Pipeline:
         ctx.handovers = 1
         ctx.upstream_open = streaming
         backend = self.backends[stage.name]
-        try:
-            backend.add_request(spec)
-        except OmniError as exc:
-            self._fail_requests([rid], exc)
-            return
-        except Exception as exc:  # noqa: BLE001 -- this request ends, the others go on
-            logger.error("stage %s refused request %s", stage.name, rid, exc_info=exc)
-            self._fail_requests([rid], OmniError(f"stage {stage.name} could not start the request"))
+        if not self._stage_call(stage, rid, "start", lambda: backend.add_request(spec)):
             return
         if not self._live(rid):  # aborted while it was being handed over
             backend.abort(rid)
