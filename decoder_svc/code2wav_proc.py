@@ -251,6 +251,46 @@ def _short(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"[:300]
 
 
+def run_chunks(
+    core: Code2WavCore,
+    inbox: Any,
+    take: Callable[[tuple], None],
+    emit: Callable[[str, np.ndarray, bool, str], None],
+    fail: Callable[[str, Exception], None],
+    idle: Callable[[], None],
+) -> None:
+    """The decode loop of a code2wav worker (a process, or the decoder's
+    thread): everything that has arrived on `inbox` goes into the core's
+    ready set (`take`), which decides the chunk decoded next; the loop waits
+    only when nothing is ready (`idle` first). A None item means stop:
+    decode what was sent, then return. A failing chunk fails its request
+    (`fail`, called inside the handler) and the others go on."""
+    stopping = False
+    while True:
+        while not stopping:
+            if core.queued:
+                try:
+                    item = inbox.get_nowait()
+                except queue.Empty:
+                    break
+            else:
+                idle()
+                item = inbox.get()
+            if item is None:
+                stopping = True
+            else:
+                take(item)
+        rid = core.next()
+        if rid is None:
+            if stopping:
+                return
+            continue
+        try:
+            core.decode_next(rid, emit)
+        except Exception as exc:  # noqa: BLE001 -- fail this request, keep serving the others
+            fail(rid, exc)
+
+
 def worker_main(
     spec: VocoderSpec,
     ramp: Sequence[int],
@@ -348,35 +388,14 @@ def worker_main(
             except Exception as exc:  # noqa: BLE001 -- fail this request, keep serving the others
                 fail(rid, _short(exc), traceback.format_exc())
 
-    stopping = False  # told to stop (or the decoder is gone): decode what was sent, then end
+    def idle() -> None:
+        nonlocal reported
+        if reported:
+            reported = 0
+            send(("queue", 0))
+
     try:
-        while True:
-            # everything that has arrived goes into the ready set; wait only
-            # when nothing is ready to decode
-            while not stopping:
-                if core.queued:
-                    try:
-                        item = inbox.get_nowait()
-                    except queue.Empty:
-                        break
-                else:
-                    if reported:
-                        reported = 0
-                        send(("queue", 0))
-                    item = inbox.get()
-                if item is None:
-                    stopping = True
-                else:
-                    take(item)
-            rid = core.next()
-            if rid is None:
-                if stopping:
-                    return
-                continue
-            try:
-                core.decode_next(rid, emit)
-            except Exception as exc:  # noqa: BLE001 -- fail this request, keep serving the others
-                fail(rid, _short(exc), traceback.format_exc())
+        run_chunks(core, inbox, take, emit, lambda rid, exc: fail(rid, _short(exc), traceback.format_exc()), idle)
     finally:
         reader.close()
         results.close()

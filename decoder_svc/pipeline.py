@@ -32,7 +32,7 @@ import torch
 from decoder_svc import metrics
 from decoder_svc.backend import ARBackend, RequestSpec, StepOutput
 from decoder_svc.code2wav import ChunkState  # noqa: F401 -- the chunking Code2WavCore runs, named here as before
-from decoder_svc.code2wav_proc import Code2WavCore, Code2WavProcessPool, VocoderSpec
+from decoder_svc.code2wav_proc import Code2WavCore, Code2WavProcessPool, VocoderSpec, run_chunks
 from decoder_svc.cuda_staging import CudaStaging
 from decoder_svc.guards import GuardDecision, evaluate, log_decision
 from decoder_svc.lengths import (
@@ -353,31 +353,7 @@ class Code2WavWorker:
         has arrived goes into the core's ready set, which decides the chunk
         decoded next (first chunks first, then the request closest to
         running dry: Code2WavCore)."""
-        core = self._core
-        stopping = False
-        while True:
-            while not stopping:
-                if core.queued:
-                    try:
-                        item = self._queue.get_nowait()
-                    except queue.Empty:
-                        break
-                else:
-                    self._report()
-                    item = self._queue.get()
-                if item is None:
-                    stopping = True
-                else:
-                    self._take(item)
-            rid = core.next()
-            if rid is None:
-                if stopping:
-                    return
-                continue
-            try:
-                core.decode_next(rid, self._emit)
-            except Exception as exc:  # noqa: BLE001 -- fail this request, keep serving the others
-                self._fail(rid, exc)
+        run_chunks(self._core, self._queue, self._take, self._emit, self._fail, self._report)
 
     def _take(self, item: tuple) -> None:
         kind, rid, voice, value, at = item
@@ -787,7 +763,13 @@ class Pipeline:
                 else:
                     ctx.upstream_reason = reason
                     if not ctx.handovers:
-                        self._hand_to(next_ar, ctx)
+                        if ctx.upstream_tokens < getattr(self.backends[next_ar.name], "min_input_tokens", 0):
+                            # the reply says nothing the next stage could speak: the
+                            # request ends with its text and no audio
+                            ctx.handoff.clear()
+                            self._emit_audio(rid, np.zeros(0, dtype=np.float32), True, reason)
+                        else:
+                            self._hand_to(next_ar, ctx)
                         continue
                     # started from an earlier chunk: the rest, and the end -- or,
                     # when the audio already ended (its cap), the request completes

@@ -185,6 +185,11 @@ def test_omni_text_and_audio_async_equals_sync(tmp_path_factory, checkpoint):
             assert short.finish_reason == "length", short.finish_reason
             assert 0 < audio_bytes(short) < audio_bytes(full)
             assert decoder_info(stack).active_requests == 0, "a stage still runs a finished request"
+            # A one-token reply has nothing to speak (its last token is never
+            # spoken): the text comes back with no audio, not an error.
+            one = generate_final(stack, "Hi.", 1, 5.12)
+            assert len(one.text.token_ids) == 1 and audio_bytes(one) == 0
+            assert one.finish_reason == "length", one.finish_reason
             results[sync] = generate_all(stack)
             paths = {s.name: s.output_path for s in decoder_info(stack).stages}
             want = decoder_pb2.OUTPUT_PATH_SYNC if sync else decoder_pb2.OUTPUT_PATH_ASYNC

@@ -231,6 +231,9 @@ class TalkerBackend(VLLMBackend):
     # in this process.
     in_process_reason = IN_PROCESS_RUNNER["talker"]
     streams_input = True
+    # Upstream (thinker) tokens a request needs for any audio: a reply's last
+    # token is never spoken (build_talker_prompt), so one token says nothing.
+    min_input_tokens = 2
 
     def __init__(
         self,
