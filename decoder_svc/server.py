@@ -126,14 +126,8 @@ def build_engine(args: argparse.Namespace, profile) -> tuple[dict, dict]:
     except CheckpointError as exc:
         logger.error("cannot serve the model: %s", exc)
         raise SystemExit(f"decoder: cannot serve the model: {exc}") from exc
-    # how code2wav worker processes rebuild the vocoder: from the checkpoint directory
-    if hasattr(engine.vocoder, "worker_spec"):
-        spec = engine.vocoder.worker_spec()
-    else:
-        from decoder_svc.qwen3_omni.code2wav import worker_spec
-
-        spec = worker_spec(engine.checkpoint.path, engine.vocoder.voices)
-    return engine.backends, {"vocoder": engine.vocoder, "prepare": engine.prepare, "vocoder_spec": spec}
+    # code2wav worker processes rebuild the vocoder from its worker_spec() (the checkpoint directory)
+    return engine.backends, {"vocoder": engine.vocoder, "prepare": engine.prepare}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -579,7 +579,7 @@ def test_neural_code2wav_in_a_worker_gives_the_engines_audio_byte_for_byte(prefi
     from decoder_svc.qwen3_omni.engine import NeuralVocoder
 
     ckpt = OmniCheckpoint.open(tiny_checkpoint)
-    engine_vocoder = NeuralVocoder(ckpt, ("ethan", "chelsie"))
+    engine_vocoder = NeuralVocoder(str(ckpt.path), ("ethan", "chelsie"), checkpoint=ckpt)
     stamp = sorted((f.name, f.stat().st_mtime_ns) for f in tiny_checkpoint.iterdir())
     rng = np.random.default_rng(6)
     q, v = engine_vocoder.num_codebooks, engine_vocoder.codebook_size

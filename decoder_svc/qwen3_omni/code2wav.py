@@ -794,10 +794,13 @@ class CheckpointVocoder:
     code2wav worker process rebuilds from ``worker_spec()``. Same arithmetic
     as the engine's vocoder: the same tensors, the same stream."""
 
-    def __init__(self, model_dir: str, voices: Sequence[str]) -> None:
-        from decoder_svc.qwen3_omni.checkpoint import OmniCheckpoint
+    def __init__(self, model_dir: str, voices: Sequence[str], checkpoint: Any = None) -> None:
+        """model_dir: the checkpoint directory; checkpoint: the same, already
+        open (the decoder's engine has it), else it is opened here."""
+        if checkpoint is None:
+            from decoder_svc.qwen3_omni.checkpoint import OmniCheckpoint
 
-        checkpoint = OmniCheckpoint.open(model_dir)
+            checkpoint = OmniCheckpoint.open(model_dir)
         self.model_dir = str(checkpoint.path)
         self.model = Code2Wav.from_config_and_tensors(checkpoint.code2wav_config, checkpoint.tensors("code2wav."))
         self.voices = tuple(voices)

@@ -21,9 +21,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-import torch
-
 from decoder_svc.backend import RequestSpec
 from decoder_svc.profile import Profile
 from omni_common.errors import InvalidArgumentError
@@ -32,7 +29,7 @@ from omni_common.materialize import sources_of
 from .backends import THINKER_EMBED, THINKER_HIDDEN, TalkerBackend, ThinkerBackend
 from .cache import default_model_dir
 from .checkpoint import OmniCheckpoint
-from .code2wav import Code2Wav
+from .code2wav import CheckpointVocoder
 
 log = logging.getLogger(__name__)
 
@@ -94,31 +91,10 @@ class ChatPrompts:
         return dataclasses.replace(spec, prompt_token_ids=prompt)
 
 
-class _Stream:
-    def __init__(self, stream: Any) -> None:
-        self._stream = stream
-
-    def push(self, codes: np.ndarray) -> np.ndarray:
-        t = torch.from_numpy(np.ascontiguousarray(codes, dtype=np.int64))
-        return self._stream.push(t).numpy()
-
-
-class NeuralVocoder:
-    """The checkpoint's Code2Wav behind the generation stage's streaming
-    interface (stateful: each chunk decodes only its new frames)."""
-
-    def __init__(self, checkpoint: OmniCheckpoint, voices: tuple[str, ...]) -> None:
-        self.model = Code2Wav.from_config_and_tensors(
-            checkpoint.code2wav_config, checkpoint.tensors("code2wav.")
-        )
-        self.voices = voices
-        self.sample_rate = int(getattr(self.model, "sample_rate", 24_000))
-        self.num_codebooks = int(self.model.num_quantizers)
-        self.frames_per_second = self.sample_rate / int(self.model.samples_per_frame)
-        self.codebook_size = int(checkpoint.code2wav_config["codebook_size"])
-
-    def new_stream(self, voice: str) -> _Stream:  # the voice is in the codes already
-        return _Stream(self.model.new_stream())
+# The checkpoint's Code2Wav behind the generation stage's streaming interface
+# (stateful: each chunk decodes only its new frames); also what a code2wav
+# worker process rebuilds (its worker_spec()).
+NeuralVocoder = CheckpointVocoder
 
 
 @dataclass
@@ -181,7 +157,7 @@ def build_engine(
                 raise InvalidArgumentError(
                     f"stages[{stage.stage_id}].engine_role", f"'thinker' or 'talker', got {role!r}"
                 )
-        vocoder = NeuralVocoder(checkpoint, speakers)
+        vocoder = NeuralVocoder(str(checkpoint.path), speakers, checkpoint=checkpoint)
         prompts = ChatPrompts(checkpoint, max_model_len=max_model_len)
     except BaseException:
         for b in backends.values():
