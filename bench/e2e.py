@@ -566,7 +566,8 @@ def omni_summary(reqs: list[dict[str, Any]]) -> dict[str, Any]:
     return {
         "requests": len(reqs), "wall_s": wall, "throughput_rps": len(reqs) / wall,
         "thinker_done_ms": summary([r["thinker_done_s"] for r in reqs], 1e3),
-        "first_audio_ms": summary([r["first_audio_s"] for r in reqs], 1e3),
+        # a request with no audio (a reply too short to speak) has no first audio
+        "first_audio_ms": summary([r["first_audio_s"] for r in reqs if math.isfinite(r["first_audio_s"])], 1e3),
         "audio_lead_ms": summary(leads, 1e3),
         "first_audio_before_thinker_done": sum(1 for v in leads if v > 0),
         "with_text_and_audio": len(leads),
