@@ -746,11 +746,12 @@ class Pipeline:
                         self._end_looping(ctx, step.stage_id)
                         continue
                 else:
-                    for key, t in tensors.items():
-                        ctx.handoff.setdefault(key, []).append(t.clone())
                     ctx.upstream_tokens += 1  # one sampled token per row and step (no speculative decoding)
-                    if self._streamed[next_ar.stage_id] and not req.finished and not ctx.audio_reason:
-                        self._stream_to(next_ar, ctx)
+                    if not ctx.audio_reason:  # (the audio ended already: nothing more to hand over)
+                        for key, t in tensors.items():
+                            ctx.handoff.setdefault(key, []).append(t.clone())
+                        if self._streamed[next_ar.stage_id] and not req.finished:
+                            self._stream_to(next_ar, ctx)
             # 4)
             if req.finished:
                 reason = meta.finished.get(rid, STOP)

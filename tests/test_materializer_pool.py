@@ -25,14 +25,18 @@ from omni_common.tensor_wire import encode_inline
 from omni_serving.v1 import materializer_pb2
 
 
+def _running(pid: int) -> bool:
+    """Alive and not a zombie (a process that ends while it is looked at is gone)."""
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
 def gone(pids: list[int], within_s: float = 5.0) -> bool:
     deadline = time.monotonic() + within_s
     while time.monotonic() < deadline:
-        alive = [
-            p
-            for p in pids
-            if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
-        ]
+        alive = [p for p in pids if _running(p)]
         if not alive:
             return True
         time.sleep(0.05)
