@@ -70,14 +70,20 @@ VocoderSpec = tuple[str, dict[str, Any]]
 Emit = Callable[[str, np.ndarray, bool, str], None]
 
 
+def call_factory(path: str, kwargs: dict[str, Any], field: str):
+    """Import "package.module:attr" and call it with `kwargs` (a process
+    rebuilding what it cannot be sent: torch modules are never pickled)."""
+    module, _, attr = path.partition(":")
+    if not module or not attr:
+        raise InvalidArgumentError(field, f"{path!r} is not 'package.module:factory'")
+    factory = getattr(importlib.import_module(module), attr)
+    return factory(**dict(kwargs))
+
+
 def build_vocoder(spec: VocoderSpec):
     """Call the spec's factory: the vocoder, rebuilt in this process."""
     path, kwargs = spec
-    module, _, attr = path.partition(":")
-    if not module or not attr:
-        raise InvalidArgumentError("vocoder_spec", f"{path!r} is not 'package.module:factory'")
-    factory = getattr(importlib.import_module(module), attr)
-    return factory(**dict(kwargs))
+    return call_factory(path, kwargs, "vocoder_spec")
 
 
 def vocoder_spec(vocoder) -> VocoderSpec:

@@ -41,6 +41,7 @@ import numpy as np
 import torch
 
 from decoder_svc.backend import RequestSpec, StepOutput
+from decoder_svc.busy import BUSY
 from decoder_svc.code2wav import SAMPLE_RATE_HZ, SAMPLES_PER_FRAME
 from omni_serving.v1 import snapshot_pb2
 
@@ -180,7 +181,8 @@ class FakeBackend:
         if not batch:
             return None
         if self._work is not None:
-            torch.mm(self._work, self._work)
+            with BUSY.forward(self.role):
+                torch.mm(self._work, self._work)
         # 1) schedule: prefill rows for new requests, one row for the others
         num_sched = [1 if r.prefilled else len(r.prompt_ids) or 1 for r in batch]
         qsl = torch.zeros(len(batch) + 1, dtype=torch.int32)

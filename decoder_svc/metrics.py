@@ -89,6 +89,11 @@ CODE2WAV_RESTARTS = Counter(
     "omni_decoder_code2wav_worker_restarts_total",
     "code2wav worker processes that ended unasked and were restarted (their requests failed)",
 )
+STAGE_RESTARTS = Counter(
+    "omni_decoder_stage_process_restarts_total",
+    "Starts of an AR stage's engine process after it ended unasked (each attempt; its requests failed), by stage",
+    ["stage"],
+)
 CODE2WAV_INLINE_FALLBACKS = Counter(
     "omni_decoder_code2wav_inline_fallbacks_total",
     "Codec frames sent to a code2wav worker as bytes in the message instead of an arena slot, "

@@ -65,3 +65,31 @@ def test_a_stage_with_two_steps_at_once_counts_once():
     busy.exit("talker")
     busy.exit("talker")
     assert busy.busy_s == {"talker": 2.0} and busy.overlap_s == 0.0
+
+
+def test_intervals_reported_by_stage_processes_give_busy_and_pairwise_overlap():
+    """Stage processes report (start, end) intervals, in any order between
+    stages: each overlap is counted once, whichever interval comes second."""
+    busy = ForwardBusy(export=False)
+    busy.add_interval("thinker", 10.0, 11.0)
+    busy.add_interval("thinker", 12.0, 13.0)
+    busy.add_interval("talker", 10.5, 12.5)  # overlaps both: 0.5 + 0.5
+    busy.add_interval("talker", 13.5, 14.0)  # overlaps nothing yet
+    busy.add_interval("thinker", 13.75, 15.0)  # overlaps the talker's last: 0.25
+    assert busy.busy_s == pytest.approx({"thinker": 3.25, "talker": 2.5})
+    assert busy.overlap_s == pytest.approx(1.25)
+
+
+def test_a_stage_process_records_its_forward_passes_as_intervals():
+    clock = FakeClock()
+    busy = ForwardBusy(clock=clock, export=False)
+    busy.enter("talker")  # not recorded yet
+    clock.now = 101.0
+    busy.exit("talker")
+    assert busy.take_intervals() == []
+    busy.record_intervals(True)
+    busy.enter("talker")
+    clock.now = 102.5
+    busy.exit("talker")
+    assert busy.take_intervals() == [(101.0, 102.5)]
+    assert busy.take_intervals() == []

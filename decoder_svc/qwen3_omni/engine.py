@@ -33,7 +33,7 @@ from .code2wav import CheckpointVocoder
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Qwen3OmniEngine", "build_engine", "ChatPrompts", "NeuralVocoder"]
+__all__ = ["Qwen3OmniEngine", "build_engine", "build_front", "build_stage_backend", "EngineFront", "ChatPrompts", "NeuralVocoder"]
 
 
 class ChatPrompts:
@@ -115,6 +115,78 @@ class Qwen3OmniEngine:
             b.close()
 
 
+def build_stage_backend(
+    checkpoint: OmniCheckpoint,
+    stage,
+    *,
+    max_num_seqs: int = 32,
+    seed: int = 0,
+    max_model_len: int = 2048,
+    **backend_kwargs: Any,
+):
+    """One AR stage's backend (its vLLM engine) on an opened checkpoint: what
+    :func:`build_engine` builds per stage, and what a stage process builds
+    for its own stage (``decoder_svc.stage_proc``)."""
+    role = stage.engine_role or stage.name
+    common = dict(
+        name=stage.name,
+        max_num_seqs=max_num_seqs,
+        seed=seed,
+        async_scheduling=stage.async_scheduling,
+        enable_prefix_caching=stage.enable_prefix_caching,
+        max_model_len=max_model_len,
+        # the stage's parallelism, unless given
+        **{**stage.engine_args(), **backend_kwargs},
+    )
+    if role == "thinker":
+        wants = sources_of(stage.plan())
+        return ThinkerBackend(
+            checkpoint,
+            capture_talker_inputs=bool(wants & {THINKER_EMBED, THINKER_HIDDEN}),
+            **common,
+        )
+    if role == "talker":
+        return TalkerBackend(checkpoint, **common)
+    raise InvalidArgumentError(
+        f"stages[{stage.stage_id}].engine_role", f"'thinker' or 'talker', got {role!r}"
+    )
+
+
+@dataclass
+class EngineFront:
+    """What the decoder's own process needs of the checkpoint when the AR
+    stages' engines run in their own processes: the vocoder (code2wav, and
+    its facts) and the prompts."""
+
+    checkpoint: OmniCheckpoint
+    vocoder: NeuralVocoder
+    prompts: ChatPrompts
+    first_role: str
+
+    def prepare(self, spec: RequestSpec) -> RequestSpec:
+        if self.first_role == "thinker":
+            return self.prompts.chat(spec)
+        return self.prompts.speak(spec)
+
+
+def _speakers(checkpoint: OmniCheckpoint) -> tuple[str, ...]:
+    return tuple(str(k).lower() for k in checkpoint.talker_config["speaker_id"])
+
+
+def build_front(profile: Profile, model: str | Path | None = None, *, max_model_len: int = 2048) -> EngineFront:
+    """Open the checkpoint (default: the tiny one in the model cache, created
+    on first use) and build the vocoder and the prompts, no engine."""
+    checkpoint = OmniCheckpoint.open(Path(model) if model else default_model_dir())
+    log.info("serving %s (%s)", checkpoint.path, checkpoint.config.get("architectures"))
+    first = profile.ar_stages[0]
+    return EngineFront(
+        checkpoint,
+        NeuralVocoder(str(checkpoint.path), _speakers(checkpoint), checkpoint=checkpoint),
+        ChatPrompts(checkpoint, max_model_len=max_model_len),
+        first.engine_role or first.name,
+    )
+
+
 def build_engine(
     profile: Profile,
     model: str | Path | None = None,
@@ -129,35 +201,14 @@ def build_engine(
     path = Path(model) if model else default_model_dir()
     checkpoint = OmniCheckpoint.open(path)
     log.info("serving %s (%s)", checkpoint.path, checkpoint.config.get("architectures"))
-    speakers = tuple(str(k).lower() for k in checkpoint.talker_config["speaker_id"])
     backends: dict[str, Any] = {}
     try:
         for stage in profile.ar_stages:
-            role = stage.engine_role or stage.name
-            common = dict(
-                name=stage.name,
-                max_num_seqs=max_num_seqs,
-                seed=seed,
-                async_scheduling=stage.async_scheduling,
-                enable_prefix_caching=stage.enable_prefix_caching,
-                max_model_len=max_model_len,
-                # the stage's parallelism, unless given
-                **{**stage.engine_args(), **backend_kwargs},
+            backends[stage.name] = build_stage_backend(
+                checkpoint, stage, max_num_seqs=max_num_seqs, seed=seed, max_model_len=max_model_len,
+                **backend_kwargs,
             )
-            if role == "thinker":
-                wants = sources_of(stage.plan())
-                backends[stage.name] = ThinkerBackend(
-                    checkpoint,
-                    capture_talker_inputs=bool(wants & {THINKER_EMBED, THINKER_HIDDEN}),
-                    **common,
-                )
-            elif role == "talker":
-                backends[stage.name] = TalkerBackend(checkpoint, **common)
-            else:
-                raise InvalidArgumentError(
-                    f"stages[{stage.stage_id}].engine_role", f"'thinker' or 'talker', got {role!r}"
-                )
-        vocoder = NeuralVocoder(str(checkpoint.path), speakers, checkpoint=checkpoint)
+        vocoder = NeuralVocoder(str(checkpoint.path), _speakers(checkpoint), checkpoint=checkpoint)
         prompts = ChatPrompts(checkpoint, max_model_len=max_model_len)
     except BaseException:
         for b in backends.values():
