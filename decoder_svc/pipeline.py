@@ -49,6 +49,7 @@ from decoder_svc.lengths import (
 from decoder_svc.materializer_link import MaterializerLink
 from decoder_svc.profile import Profile, StageConfig
 from decoder_svc.snapshot import SnapshotMeta, meta_of, step_tensors, take_snapshot
+from decoder_svc.stage_proc import StageProcess
 from omni_common.errors import (
     AlreadyExistsError,
     InvalidArgumentError,
@@ -182,6 +183,8 @@ class StageRunner:
         self.plan = config.plan()
         self.sources = sources_of(self.plan)
         self.steps = 0
+        # (step time, gap) of each step, for a consumer that drains it (a stage process's status)
+        self.observations: collections.deque[tuple[float, float]] | None = None
         self.gaps_s: collections.deque[float] = collections.deque(maxlen=100_000)
         self.step_times_s: collections.deque[float] = collections.deque(maxlen=100_000)
         self._wake = threading.Condition()
@@ -236,6 +239,8 @@ class StageRunner:
             t_launch = time.perf_counter()
             self.step_times_s.append(t_sampled - t0)
             self.gaps_s.append(t_launch - t_sampled)
+            if self.observations is not None:
+                self.observations.append((t_sampled - t0, t_launch - t_sampled))
             self._m_gap.observe(t_launch - t_sampled)
             self._m_step.observe(t_sampled - t0)
             self._m_steps.inc()
@@ -466,7 +471,12 @@ class Pipeline:
         }
         for s in self.ar_configs:
             log_decision(s, self.decisions[s.stage_id])
-        async_plans = {s.stage_id: s.plan() for s in self.ar_configs if self.decisions[s.stage_id].use_async}
+        # stages whose engine runs in a process of its own (decoder_svc.stage_proc):
+        # their decode loop, arena and materializer link are there
+        self.stage_processes = {s.name: b for s in self.ar_configs
+                                if isinstance(b := backends[s.name], StageProcess)}
+        async_plans = {s.stage_id: s.plan() for s in self.ar_configs
+                       if self.decisions[s.stage_id].use_async and s.name not in self.stage_processes}
         self.link = (
             MaterializerLink(
                 target=materializer_target or None,
@@ -482,8 +492,10 @@ class Pipeline:
             if async_plans
             else None
         )
-        self.runners = {
-            s.stage_id: StageRunner(
+        self.runners: dict[int, StageRunner | StageProcess] = {
+            s.stage_id: backends[s.name].attach(self._deliver, self._fail_requests, self.decisions[s.stage_id].use_async)
+            if s.name in self.stage_processes
+            else StageRunner(
                 s,
                 backends[s.name],
                 self.decisions[s.stage_id],
@@ -551,8 +563,11 @@ class Pipeline:
     def start(self) -> None:
         link, arena = self.link, self.arena
         metrics.ACTIVE_REQUESTS.set_function(lambda: self.active_requests)
-        metrics.MATERIALIZER_LAG.set_function(lambda: link.in_flight if link is not None else 0)
-        metrics.SLOTS_IN_USE.set_function(lambda: arena.in_use if arena is not None else 0)
+        stages = list(self.stage_processes.values())
+        metrics.MATERIALIZER_LAG.set_function(
+            lambda: (link.in_flight if link is not None else 0) + sum(s.in_flight for s in stages))
+        metrics.SLOTS_IN_USE.set_function(
+            lambda: (arena.in_use if arena is not None else 0) + sum((s.arena_info or (0,) * 5)[3] for s in stages))
         if self.link is not None:
             self.link.start()
         self.code2wav.start()
@@ -861,7 +876,10 @@ class Pipeline:
         ctx.handovers = 1
         ctx.upstream_open = streaming
         backend = self.backends[stage.name]
-        if not self._stage_call(stage, rid, "start", lambda: backend.add_request(spec)):
+        # a stage process takes it without the routing waiting for its answer
+        # (a refusal fails the request all the same)
+        start = getattr(backend, "hand_over", backend.add_request)
+        if not self._stage_call(stage, rid, "start", lambda: start(spec)):
             return
         if not self._live(rid):  # aborted while it was being handed over
             backend.abort(rid)
@@ -909,6 +927,39 @@ class Pipeline:
         self._send(ctx, resp)
 
     # -- info -------------------------------------------------------------------
+    @property
+    def materializer_connected(self) -> bool:
+        """Every materializer link is connected (this process's and the stage processes')."""
+        links = [self.link.connected] if self.link is not None else []
+        links += [s.link_connected for s in self.stage_processes.values()
+                  if self.decisions[s.config.stage_id].use_async]
+        return bool(links) and all(links)
+
+    @property
+    def fallback_steps(self) -> int:
+        return (self.link.fallback_steps if self.link is not None else 0) + sum(
+            s.fallback_steps for s in self.stage_processes.values())
+
+    def materializer_attachment(self) -> decoder_pb2.MaterializerAttachment | None:
+        """How the (last) link is attached to its materializer, None when not."""
+        if self.link is not None and self.link.attachment is not None:
+            return self.link.attachment.to_proto()
+        for s in reversed(self.stage_processes.values()):
+            if s.attachment_proto is not None:
+                return decoder_pb2.MaterializerAttachment.FromString(s.attachment_proto)
+        return None
+
+    def arena_info(self) -> tuple[str, int, int, int, int] | None:
+        """(name, slot bytes, slots, in use, peak in use) of the step arena: this
+        process's, or the last stage process's that has one."""
+        if self.arena is not None:
+            a = self.arena
+            return a.name, a.slot_bytes, a.num_slots, a.in_use, a.peak_in_use
+        for s in reversed(self.stage_processes.values()):
+            if s.arena_info is not None:
+                return tuple(s.arena_info)
+        return None
+
     def stage_infos(self) -> list[decoder_pb2.StageInfo]:
         infos = []
         for s in self.profile.stages:

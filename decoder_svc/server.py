@@ -14,7 +14,7 @@ from decoder_svc import lengths
 from decoder_svc.pipeline import Pipeline
 from decoder_svc.profile import available_profiles, load_profile
 from decoder_svc.servicer import DecoderServicer
-from omni_common.errors import InvalidArgumentError
+from omni_common.errors import InvalidArgumentError, OmniError
 from omni_common.logging_setup import setup_logging
 from omni_common.metrics import start_metrics_server
 from omni_common.server import ServerConfig, run_server
@@ -77,6 +77,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--code2wav-workers", type=int, default=int(os.environ.get("OMNI_CODE2WAV_WORKERS", "1")),
                    help="code2wav (the vocoder) in this many worker processes; 0 = on a thread of the "
                         "decoder (default 1)")
+    p.add_argument("--stage-processes", choices=("auto", "on", "off"),
+                   default=os.environ.get("OMNI_STAGE_PROCESSES", "auto"),
+                   help="run each AR stage's engine in a process of its own (engines side by side, the "
+                        "decode loops off this process's interpreter); auto = on with the vllm engine, "
+                        "off with the fake one (default auto)")
     p.add_argument("--metrics-port", type=int, default=int(os.environ.get("OMNI_DECODER_METRICS_PORT", "-1")),
                    help="serve Prometheus /metrics on this port (0 = any free port, -1 = off)")
     p.add_argument("--metrics-host", default=os.environ.get("OMNI_METRICS_HOST", "127.0.0.1"))
@@ -103,13 +108,49 @@ def length_options(args: argparse.Namespace) -> lengths.Options:
     )
 
 
+def stage_processes_on(args: argparse.Namespace) -> bool:
+    mode = getattr(args, "stage_processes", "off")
+    return mode == "on" or (mode == "auto" and args.engine == "vllm")
+
+
+def _launch_stage_processes(args: argparse.Namespace, profile, model: str) -> dict:
+    """One engine process per AR stage (decoder_svc.stage_proc), ready."""
+    from decoder_svc.stage_proc import launch_stages, stage_specs
+
+    specs = stage_specs(
+        profile,
+        engine="fake" if args.engine in ("fake", "reference") else "vllm",
+        model=model,
+        max_num_seqs=args.max_num_seqs,
+        shm_prefix=shm_prefix_for(args.deployment),
+        arena_slots=args.arena_slots,
+        arena_slot_bytes=args.arena_slot_bytes,
+        materializer_target=args.materializer or "",
+        inline_transport=args.inline_transport,
+        in_process_builder=args.in_process_builder,
+        log_level=args.log_level,
+    )
+    try:
+        return launch_stages(specs)
+    except OmniError as exc:
+        logger.error("cannot start the AR stages: %s", exc)
+        raise SystemExit(f"decoder: {exc}") from exc
+
+
 def build_engine(args: argparse.Namespace, profile) -> tuple[dict, dict]:
-    """(backends by stage name, extra Pipeline arguments: vocoder, prepare, vocoder_spec)."""
+    """(backends by stage name, extra Pipeline arguments: vocoder, prepare, vocoder_spec).
+
+    With stage processes the backends are ``StageProcess`` es (each engine
+    built in its own process) and this process opens the checkpoint only for
+    the vocoder and the prompts."""
+    processes = stage_processes_on(args)
     if args.engine in ("fake", "reference"):
         from decoder_svc.fake_engine import FakeBackend
 
         if args.engine == "reference":
             logger.warning("--engine reference is a deprecated name of --engine fake (the test double)")
+        if processes:
+            return _launch_stage_processes(args, profile, ""), {}
         backends = {
             s.name: FakeBackend(role=s.engine_role or s.name, max_num_seqs=args.max_num_seqs)
             for s in profile.ar_stages
@@ -118,8 +159,17 @@ def build_engine(args: argparse.Namespace, profile) -> tuple[dict, dict]:
     try:
         from decoder_svc.qwen3_omni.checkpoint import CheckpointError
         from decoder_svc.qwen3_omni.engine import build_engine as build_qwen3_omni
+        from decoder_svc.qwen3_omni.engine import build_front
     except ImportError as exc:  # the `cpu`/`cuda` extra is not installed
         raise SystemExit(f"--engine vllm needs vLLM (pip install 'omni-serving[cpu]'): {exc}") from exc
+    if processes:
+        try:
+            front = build_front(profile, Path(args.model) if args.model else None)
+        except CheckpointError as exc:
+            logger.error("cannot serve the model: %s", exc)
+            raise SystemExit(f"decoder: cannot serve the model: {exc}") from exc
+        stages = _launch_stage_processes(args, profile, str(front.checkpoint.path))
+        return stages, {"vocoder": front.vocoder, "prepare": front.prepare}
     try:
         engine = build_qwen3_omni(profile, Path(args.model) if args.model else None,
                                   max_num_seqs=min(args.max_num_seqs, 64))
@@ -139,7 +189,8 @@ def main(argv: list[str] | None = None) -> None:
     start_metrics_server(args.metrics_port, args.metrics_host)
     prefix = shm_prefix_for(args.deployment)
     sweep_stale(prefix)
-    arena = ShmArena(prefix, args.arena_slots, args.arena_slot_bytes)
+    # the step arena: this process's, unless each stage process has its own
+    arena = None if stage_processes_on(args) else ShmArena(prefix, args.arena_slots, args.arena_slot_bytes)
     try:
         backends, engine_parts = build_engine(args, profile)
         try:
@@ -187,4 +238,5 @@ def main(argv: list[str] | None = None) -> None:
             on_shutdown=on_shutdown,
         )
     finally:
-        arena.close()
+        if arena is not None:
+            arena.close()

@@ -159,8 +159,8 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             stages=p.stage_infos(),
             active_requests=p.active_requests,
             materializer_target=self.materializer_target,
-            materializer_connected=bool(p.link and p.link.connected),
-            fallback_steps=p.link.fallback_steps if p.link else 0,
+            materializer_connected=p.materializer_connected,
+            fallback_steps=p.fallback_steps,
             aborted_requests=p.aborted_requests,
             finished_requests=p.finished_requests,
             voices=list(self.pipeline.voices),
@@ -170,14 +170,11 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             supports_instructions=p.settings.supports_instructions,
             model=p.settings.model,
         )
-        attachment = p.link.attachment if p.link is not None else None
+        attachment = p.materializer_attachment()
         if attachment is not None:
-            resp.materializer.CopyFrom(attachment.to_proto())
-        if p.arena is not None:
-            a = p.arena
-            resp.arena.region = a.name
-            resp.arena.slot_bytes = a.slot_bytes
-            resp.arena.num_slots = a.num_slots
-            resp.arena.slots_in_use = a.in_use
-            resp.arena.peak_slots_in_use = a.peak_in_use
+            resp.materializer.CopyFrom(attachment)
+        arena = p.arena_info()
+        if arena is not None:
+            (resp.arena.region, resp.arena.slot_bytes, resp.arena.num_slots,
+             resp.arena.slots_in_use, resp.arena.peak_slots_in_use) = arena
         return resp

@@ -5,9 +5,11 @@ from __future__ import annotations
 import concurrent.futures
 import subprocess
 import sys
+import urllib.request
 import wave
 
 import grpc
+import psutil
 import pytest
 
 from omni_cli.launcher import Stack, StackConfig
@@ -168,6 +170,25 @@ def audio_bytes(out: gateway_pb2.OmniRequestOutput) -> int:
     return sum(len(t.tensor.inline_data) for t in out.multimodal.tensors if t.name == "audio")
 
 
+def engine_processes(stack: Stack) -> dict[str, list[str]]:
+    """The decoder's child processes by kind: each AR stage's engine, code2wav workers."""
+    decoder = psutil.Process(stack.service("decoder").proc.pid)
+    kinds: dict[str, list[str]] = {}
+    for child in decoder.children():
+        cmd = " ".join(child.cmdline())
+        kind = next((k for k in ("stage thinker", "stage talker") if f"decoder {k}" in cmd), "other")
+        kinds.setdefault(kind, []).append(cmd)
+    return kinds
+
+
+def metric(stack: Stack, name: str) -> float:
+    """The sum of a series of the decoder's /metrics (all its label sets)."""
+    with urllib.request.urlopen(stack.service("decoder").metrics_url, timeout=10) as r:
+        text = r.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name) and not line.startswith("#"))
+
+
 def test_omni_text_and_audio_async_equals_sync(tmp_path_factory, checkpoint):
     results = {}
     for sync in (False, True):
@@ -176,7 +197,7 @@ def test_omni_text_and_audio_async_equals_sync(tmp_path_factory, checkpoint):
             # The talker starts from the thinker's first chunk (profile omni:
             # input_chunk_ramp): a long reply's first audio comes before its
             # last text.
-            first_audio, last_text, n = first_audio_and_thinker_end(stack, "Tell me a long story.", 48)
+            first_audio, last_text, n = first_audio_and_thinker_end(stack, "Tell me a long story.", 160)
             assert first_audio < last_text, f"{first_audio=} {last_text=} of {n} outputs"
             # The audio reaching its cap long before the text ends cuts no text.
             short = generate_final(stack, "Tell me a long story.", 40, 0.4)
@@ -191,6 +212,12 @@ def test_omni_text_and_audio_async_equals_sync(tmp_path_factory, checkpoint):
             assert len(one.text.token_ids) == 1 and audio_bytes(one) == 0
             assert one.finish_reason == "length", one.finish_reason
             results[sync] = generate_all(stack)
+            # one process per AR stage engine beside the decoder (and the code2wav
+            # worker), and the two engines' forward passes ran at the same time
+            procs = engine_processes(stack)
+            assert len(procs.get("stage thinker", ())) == 1 and len(procs.get("stage talker", ())) == 1, procs
+            assert procs.get("other"), f"no code2wav worker: {procs}"
+            assert metric(stack, "omni_decoder_stage_forward_overlap_seconds_total") > 0
             paths = {s.name: s.output_path for s in decoder_info(stack).stages}
             want = decoder_pb2.OUTPUT_PATH_SYNC if sync else decoder_pb2.OUTPUT_PATH_ASYNC
             assert paths["thinker"] == want and paths["talker"] == want, paths
