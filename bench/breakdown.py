@@ -101,10 +101,20 @@ def thread_cpu() -> dict[str, float]:
 
 
 def proc_cpu(pid: int) -> float:
+    """CPU seconds of a service: its process, its ended children and its
+    running ones (the stage processes, the code2wav workers)."""
     import psutil
 
-    t = psutil.Process(pid).cpu_times()
-    return t.user + t.system + t.children_user + t.children_system
+    proc = psutil.Process(pid)
+    t = proc.cpu_times()
+    total = t.user + t.system + t.children_user + t.children_system
+    for child in proc.children(recursive=True):
+        try:
+            c = child.cpu_times()
+        except psutil.Error:  # ended meanwhile: counted in children_* once reaped
+            continue
+        total += c.user + c.system
+    return total
 
 
 def run(quick: bool, engine: str, batch: int, out_dir: Path) -> SuiteResult:

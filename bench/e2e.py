@@ -330,17 +330,19 @@ def decoder_info(target: str) -> dict[str, Any]:
 
 
 def cpu_snapshot(stack: Any) -> dict[str, float]:
-    """CPU seconds so far of each service of a stack, of this process (the
-    clients), and of the whole host (busy = not idle / iowait)."""
+    """CPU seconds so far of each service of a stack (its child processes
+    included), of this process (the clients), and of the whole host (busy =
+    not idle / iowait)."""
     import psutil
+
+    from bench.breakdown import proc_cpu
 
     out: dict[str, float] = {}
     for svc in stack.services:
-        try:
-            t = psutil.Process(svc.proc.pid).cpu_times()
+        try:  # with its child processes (stage processes, code2wav workers)
+            out[svc.name] = proc_cpu(svc.proc.pid)
         except psutil.Error:  # restarted meanwhile (failover)
             continue
-        out[svc.name] = t.user + t.system + t.children_user + t.children_system
     t = psutil.Process().cpu_times()
     out["bench clients"] = t.user + t.system
     h = psutil.cpu_times()
