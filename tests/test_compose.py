@@ -25,6 +25,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from decoder_svc.profile import load_profile
 from omni_cli.launcher import StackConfig, default_value, service_commands, service_environment
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -193,7 +194,8 @@ def test_decoder_and_materializer_share_the_holders_ipc_and_shm(services):
     assert command[:2] == ["python", "-c"] and "pause()" in command[2], f"holder command {command}"
     assert "ports" not in holder and "healthcheck" not in holder
     # The arena is a sparse file: a /dev/shm smaller than it fails with SIGBUS
-    # on a later write, not at creation. Room for two (restart overlap).
+    # on a later write, not at creation. Room for two per AR stage of the omni
+    # profile (one arena per stage process; restart overlap).
     from decoder_svc.server import add_arguments
 
     parser = argparse.ArgumentParser()
@@ -201,7 +203,8 @@ def test_decoder_and_materializer_share_the_holders_ipc_and_shm(services):
     defaults = parser.parse_args([])
     arena = defaults.arena_slots * defaults.arena_slot_bytes
     size = _bytes(holder["shm_size"])
-    assert size >= 2 * arena, f"shm_size {holder['shm_size']} < 2 x arena ({arena} bytes)"
+    stages = len(load_profile("omni").ar_stages)
+    assert size >= 2 * stages * arena, f"shm_size {holder['shm_size']} < 2 x {stages} x arena ({arena} bytes)"
 
 
 def _bytes(size) -> int:

@@ -43,6 +43,7 @@ import kubernetes_validate  # the dev extra (scripts/install.sh)
 import pytest
 import yaml
 
+from decoder_svc.profile import load_profile
 from omni_cli.launcher import (
     StackConfig,
     default_value,
@@ -422,7 +423,8 @@ def check_shared_memory_and_sockets(objects) -> None:
     assert mat in spec.get("initContainers", []) and mat.get("restartPolicy") == "Always", (
         "materializer: expected a sidecar (init container with restartPolicy Always)"
     )
-    # One memory-backed /dev/shm for both, room for two arenas (restart overlap) + 16 MiB.
+    # One memory-backed /dev/shm for both, room for two arenas per AR stage of
+    # the omni profile (one per stage process; restart overlap) + 16 MiB.
     shm = {
         name: _mounts(c).get("/dev/shm", {}).get("name")
         for name, c in (("decoder", dec), ("materializer", mat))
@@ -432,8 +434,9 @@ def check_shared_memory_and_sockets(objects) -> None:
     assert empty_dir and empty_dir.get("medium") == "Memory", f"/dev/shm volume: {empty_dir}"
     arena = _arena_bytes(_env(objects, DECODER, dec))
     size = _bytes(empty_dir.get("sizeLimit", "0"))
-    assert size >= 2 * arena + 16 * 2**20, (
-        f"/dev/shm sizeLimit {empty_dir.get('sizeLimit')} < 2 x arena ({arena} bytes) + 16 MiB"
+    stages = len(load_profile("omni").ar_stages)
+    assert size >= 2 * stages * arena + 16 * 2**20, (
+        f"/dev/shm sizeLimit {empty_dir.get('sizeLimit')} < 2 x {stages} x arena ({arena} bytes) + 16 MiB"
     )
     # The decoder dials the materializer's socket, in one emptyDir mounted in both.
     dec_flags, mat_flags = _flags(objects, "decoder"), _flags(objects, "materializer")
