@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 
 START_METHODS = ("forkserver", "spawn")
 _WORKER_START_TIMEOUT_S = 120.0
+_PING_HOLD_S = 0.5  # how long each start-up ping holds its worker (see _new_executor)
 
 # --------------------------------------------------------------------------
 # Worker side (runs in the pool's processes)
@@ -82,7 +83,8 @@ def _init_worker(prefix: str, parent_pid: int) -> None:
     ).start()
 
 
-def _ping() -> int:
+def _ping(hold_s: float = 0.0) -> int:
+    time.sleep(hold_s)
     return os.getpid()
 
 
@@ -150,8 +152,10 @@ class PoolMaterializer(ReferenceMaterializer):
             initargs=(self.config.shm_prefix, os.getpid()),
         )
         # Start every worker now (one ping each: the pool spawns a process per
-        # task while none is idle), so SERVING means ready.
-        pings = [executor.submit(_ping) for _ in range(self.config.workers)]
+        # task while none is idle; each ping holds its worker a moment, so no
+        # worker is idle again before the last ping is submitted), so SERVING
+        # means ready.
+        pings = [executor.submit(_ping, _PING_HOLD_S) for _ in range(self.config.workers)]
         try:
             pids = {f.result(timeout=_WORKER_START_TIMEOUT_S) for f in pings}
         except BaseException:

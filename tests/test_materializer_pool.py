@@ -166,6 +166,10 @@ def test_a_killed_worker_costs_an_in_band_error_and_the_pool_recovers(pool_serve
         pytest.fail(f"pool did not recover: {codes=}")
     assert set(codes) <= {grpc.StatusCode.UNAVAILABLE.value[0]}, f"{codes=}"
     assert pool.worker_restarts == 1
+    # the restart is counted when it begins; its process may still be starting
+    deadline = time.monotonic() + 30
+    while len(pool.worker_pids()) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
     assert victim not in pool.worker_pids() and len(pool.worker_pids()) == 2
     stream.close_send()
     assert stream.wait_end(10).code == grpc.StatusCode.OK
