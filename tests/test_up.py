@@ -292,6 +292,9 @@ def test_up_vllm_default_engine(up_factory, tmp_path):
 
     assert (models / TINY_DIR_NAME / "config.json").is_file(), "the decoder should have created the tiny checkpoint"
     tree = check_running(up)
+    # the talker's engine runs in a process of its own, beside the decoder
+    stages = [p for p in tree if _alive(p) and "decoder stage talker" in " ".join(p.cmdline())]
+    assert len(stages) == 1, [p.cmdline()[:4] for p in tree]
 
     speak_and_check(up)
     check_metrics(endpoints, list(SERIES))
