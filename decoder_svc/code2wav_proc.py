@@ -44,6 +44,7 @@ import itertools
 import logging
 import multiprocessing
 import os
+import pickle
 import queue
 import signal
 import threading
@@ -78,6 +79,28 @@ def call_factory(path: str, kwargs: dict[str, Any], field: str):
         raise InvalidArgumentError(field, f"{path!r} is not 'package.module:factory'")
     factory = getattr(importlib.import_module(module), attr)
     return factory(**dict(kwargs))
+
+
+def pipe_sender(conn, *, as_bytes: bool = False) -> Callable[[tuple], bool]:
+    """A thread-safe send of messages on a worker's end of a pipe; False once
+    the decoder is gone. `as_bytes`: pickled here and sent as bytes (plain
+    pickle: tensors travel by value, never as shared-memory handles of
+    ``torch.multiprocessing``)."""
+    lock = threading.Lock()
+
+    def send(msg: tuple) -> bool:
+        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL) if as_bytes else None
+        try:
+            with lock:
+                if data is None:
+                    conn.send(msg)
+                else:
+                    conn.send_bytes(data)
+            return True
+        except (OSError, ValueError):  # the decoder is gone
+            return False
+
+    return send
 
 
 def build_vocoder(spec: VocoderSpec):
@@ -313,16 +336,7 @@ def worker_main(
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the decoder decides when we stop
     if torch_threads > 0:
         torch.set_num_threads(torch_threads)
-    send_lock = threading.Lock()
-
-    def send(msg: tuple) -> bool:
-        try:
-            with send_lock:
-                results.send(msg)
-            return True
-        except (OSError, ValueError):  # the decoder is gone
-            return False
-
+    send = pipe_sender(results)
     vocoder = build_vocoder(spec)
     core = Code2WavCore(ramp, chunk_frames, vocoder)
     reader = ArenaReader(arena_prefix)

@@ -356,17 +356,9 @@ def stage_main(spec: StageHostSpec, commands, events, parent: int) -> None:
     multiprocessing.current_process().daemon = False
     setup_logging(spec.log_level, service=f"decoder-{spec.stage}")
     _set_title(spec)
-    send_lock = threading.Lock()
+    from decoder_svc.code2wav_proc import pipe_sender
 
-    def send(msg: tuple) -> bool:
-        data = pickle.dumps(msg, protocol=pickle.HIGHEST_PROTOCOL)
-        try:
-            with send_lock:
-                events.send_bytes(data)
-            return True
-        except (OSError, ValueError):  # the decoder is gone
-            return False
-
+    send = pipe_sender(events, as_bytes=True)
     BUSY.record_intervals(True)
     try:
         host = _StageHost(spec, send)
