@@ -323,6 +323,10 @@ class _StageHost:
 
 
 def _set_title(spec: StageHostSpec) -> None:
+    """Name the process in `ps`. Within the length of the original command
+    line only (SPT_NOENV): its environment stays readable in
+    /proc/<pid>/environ, where the deployment's marker is looked for."""
+    os.environ["SPT_NOENV"] = "1"
     try:
         import setproctitle
 
