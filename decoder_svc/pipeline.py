@@ -25,6 +25,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -185,6 +186,10 @@ class StageRunner:
         self.steps = 0
         # (step time, gap) of each step, for a consumer that drains it (a stage process's status)
         self.observations: collections.deque[tuple[float, float]] | None = None
+        # commands the loop applies between steps with `take_input` (a stage
+        # process's adds, extends and aborts; `put_input` queues one)
+        self.inbox: collections.deque = collections.deque()
+        self.take_input: Callable[[Any], None] = lambda item: None
         self.gaps_s: collections.deque[float] = collections.deque(maxlen=100_000)
         self.step_times_s: collections.deque[float] = collections.deque(maxlen=100_000)
         self._wake = threading.Condition()
@@ -204,6 +209,11 @@ class StageRunner:
         with self._wake:
             self._wake.notify()
 
+    def put_input(self, item: Any) -> None:
+        """Queue a command for the loop to apply before its next step."""
+        self.inbox.append(item)
+        self.notify()
+
     def stop(self) -> None:
         with self._wake:
             self._stop = True
@@ -213,12 +223,20 @@ class StageRunner:
             self._staging.close()
 
     def _loop(self) -> None:
+        inbox = self.inbox
         while True:
             try:
                 with self._wake:
-                    self._wake.wait_for(lambda: self._stop or self.backend.has_unfinished())
+                    self._wake.wait_for(lambda: self._stop or bool(inbox) or self.backend.has_unfinished())
                     if self._stop:
                         return
+                # requests' commands, between two steps, on this thread: none
+                # of them waits for the engine while steps follow each other
+                if inbox:
+                    while inbox:
+                        self.take_input(inbox.popleft())
+                    if not self.backend.has_unfinished():
+                        continue
             except Exception as exc:  # noqa: BLE001 -- the stage keeps serving
                 self._failed(exc)
                 time.sleep(0.05)  # a backend that keeps failing must not spin

@@ -57,6 +57,7 @@ from typing import Any
 from decoder_svc import metrics
 from decoder_svc.backend import RequestSpec
 from decoder_svc.busy import BUSY
+from decoder_svc.code2wav_proc import call_factory, pipe_sender
 from decoder_svc.guards import evaluate, log_decision
 from decoder_svc.profile import Profile, StageConfig
 from omni_common import errors
@@ -104,14 +105,6 @@ class StageHostSpec:
     @property
     def config(self) -> StageConfig:
         return next(s for s in self.profile.ar_stages if s.name == self.stage)
-
-
-def default_threads(num_stages: int) -> int:
-    """Intra-op threads of each stage process: the decoder's CPUs shared out
-    between the AR stages (engines that run side by side must not each
-    take every CPU); one stage: 0, torch's default."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-    return max(1, cpus // num_stages) if num_stages > 1 else 0
 
 
 _ENV_LOCK = threading.Lock()
@@ -167,8 +160,6 @@ def _rebuild_error(kind: str, field_: str, msg: str) -> OmniError:
 def _build_backend(spec: StageHostSpec):
     config = spec.config
     if spec.engine in ("fake", "reference"):
-        from decoder_svc.code2wav_proc import call_factory
-
         kwargs = {"role": config.engine_role or config.name, "max_num_seqs": spec.max_num_seqs, **spec.fake_kwargs}
         return call_factory(spec.fake_factory or "decoder_svc.fake_engine:FakeBackend", kwargs, "fake_factory")
     from pathlib import Path
@@ -225,6 +216,7 @@ class _StageHost:
             self._close_parts()
             raise
         self.runner.observations = collections.deque(maxlen=100_000)
+        self.runner.take_input = self._take_command
 
     def facts(self) -> dict[str, Any]:
         facts = {a: getattr(self.backend, a) for a in FACT_ATTRS if hasattr(self.backend, a)}
@@ -266,6 +258,52 @@ class _StageHost:
         self._send(("fail_all", "decode step failed; the request was ended"))
 
     # -- commands (the decoder's) ----------------------------------------------------------
+    def command(self, op: str, call_id: int, args: tuple) -> None:
+        """A request's command (add, extend, abort): applied by the decode
+        loop between two steps (like vLLM's engine core: the loop takes its
+        input between steps; a command never waits for the engine's lock
+        while steps follow each other)."""
+        self.runner.put_input((op, call_id, args))
+
+    def _take_command(self, item: tuple) -> None:
+        op, call_id, args = item
+        if op == "abort":
+            try:
+                self.abort(*args)
+            except Exception:  # noqa: BLE001 -- keep serving
+                logger.exception("stage %s: abort failed", self.config.name)
+        elif op == "add":
+            self.answer(call_id, args[0].request_id, self.add, *args)
+        elif op == "extend":
+            self.answer(call_id, args[0], self.extend, *args)
+
+    def answer(self, call_id: int, rid: str, fn, *args) -> None:
+        """Run a command and answer it; a command that was not waited for
+        (call id 0) that fails fails its request."""
+        try:
+            value = fn(*args)
+        except BaseException as exc:  # noqa: BLE001 -- the decoder gets the error
+            if not isinstance(exc, OmniError):
+                logger.exception("stage %s: a command failed", self.config.name)
+            error = _error_of(exc)
+            self._send(("reply", call_id, False, error) if call_id else ("fail", [rid], "", error))
+            return
+        if call_id:
+            try:
+                self._send(("reply", call_id, True, value))
+            except Exception as exc:  # noqa: BLE001 -- an answer that cannot be sent is an error
+                logger.exception("stage %s: an answer could not be sent", self.config.name)
+                self._send(("reply", call_id, False, _error_of(exc)))
+
+    def refuse_pending(self) -> None:
+        """Stopping: answer the commands still queued (their requests end)."""
+        while self.runner.inbox:
+            op, call_id, args = self.runner.inbox.popleft()
+            if op in ("add", "extend"):
+                error = ("UnavailableError", "", f"stage {self.config.name} is stopping")
+                rid = args[0].request_id if op == "add" else args[0]
+                self._send(("reply", call_id, False, error) if call_id else ("fail", [rid], "", error))
+
     def add(self, spec: RequestSpec) -> None:
         if not spec.modality.has_multimodal:
             with self._lock:
@@ -275,11 +313,9 @@ class _StageHost:
         except BaseException:
             self._forget([spec.request_id])
             raise
-        self.runner.notify()
 
     def extend(self, request_id: str, rows, finished: bool) -> None:
         self.backend.extend_request(request_id, rows, finished)
-        self.runner.notify()
 
     def abort(self, request_id: str) -> None:
         self.backend.abort(request_id)
@@ -309,6 +345,7 @@ class _StageHost:
     def stop(self) -> None:
         """Stop the loop, deliver what the link holds, close the engine."""
         self.runner.stop()
+        self.refuse_pending()
         self._close_parts()
 
     def _close_parts(self) -> None:
@@ -360,8 +397,6 @@ def stage_main(spec: StageHostSpec, commands, events, parent: int) -> None:
     multiprocessing.current_process().daemon = False
     setup_logging(spec.log_level, service=f"decoder-{spec.stage}")
     _set_title(spec)
-    from decoder_svc.code2wav_proc import pipe_sender
-
     send = pipe_sender(events, as_bytes=True)
     BUSY.record_intervals(True)
     try:
@@ -387,22 +422,6 @@ def stage_main(spec: StageHostSpec, commands, events, parent: int) -> None:
     reporter = threading.Thread(target=report, name="stage-status", daemon=True)
     reporter.start()
 
-    def answer(call_id: int, rid: str, fn, *args) -> None:
-        try:
-            value = fn(*args)
-        except BaseException as exc:  # noqa: BLE001 -- the decoder gets the error
-            if not isinstance(exc, OmniError):
-                logger.exception("stage %s: a command failed", spec.stage)
-            error = _error_of(exc)
-            send(("reply", call_id, False, error) if call_id else ("fail", [rid], "", error))
-            return
-        if call_id:
-            try:
-                send(("reply", call_id, True, value))
-            except Exception as exc:  # noqa: BLE001 -- an answer that cannot be sent is an error
-                logger.exception("stage %s: an answer could not be sent", spec.stage)
-                send(("reply", call_id, False, _error_of(exc)))
-
     try:
         while True:
             try:
@@ -414,17 +433,11 @@ def stage_main(spec: StageHostSpec, commands, events, parent: int) -> None:
                 continue
             if op == "stop":
                 break
-            if op == "abort":
-                try:
-                    host.abort(*args)
-                except Exception:  # noqa: BLE001 -- keep serving
-                    logger.exception("stage %s: abort failed", spec.stage)
-            elif op == "add":
-                answer(call_id, args[0].request_id, host.add, *args)
-            elif op == "extend":
-                answer(call_id, args[0], host.extend, *args)
+            if op in ("add", "extend", "abort"):
+                host.command(op, call_id, args)
             elif op == "embed":  # a pooling pass: not on the command thread
-                threading.Thread(target=answer, args=(call_id, "", host.backend.embed, *args), daemon=True).start()
+                threading.Thread(target=host.answer, args=(call_id, "", host.backend.embed, *args),
+                                 daemon=True).start()
             else:
                 send(("reply", call_id, False, ("InvalidArgumentError", "op", f"unknown command {op!r}")))
     finally:
@@ -945,8 +958,10 @@ def launch_stages(specs: list[StageHostSpec], *, start_timeout_s: float = 600.0)
 
 
 def stage_specs(profile: Profile, **common: Any) -> list[StageHostSpec]:
-    """One spec per AR stage of the profile, each with its share of the CPUs
-    (``torch_threads``, unless given)."""
-    stages = profile.ar_stages
-    common.setdefault("torch_threads", default_threads(len(stages)))
-    return [StageHostSpec(profile=profile, stage=s.name, **common) for s in stages]
+    """One spec per AR stage of the profile.
+
+    Each stage process keeps torch's default intra-op threads (every CPU):
+    a stage whose partner is idle (the thinker done with its replies, the
+    talker still speaking) gets the whole host; a fixed split would leave
+    a core idle then."""
+    return [StageHostSpec(profile=profile, stage=s.name, **common) for s in profile.ar_stages]

@@ -24,21 +24,6 @@ class RefusingFakeBackend(FakeBackend):
         super().add_request(spec)
 
 
-class FailingStepFakeBackend(FakeBackend):
-    """The fake engine whose `fail_step`-th step raises (once)."""
-
-    def __init__(self, *, fail_step: int = 5, **kwargs) -> None:
-        super().__init__(**kwargs)
-        self.fail_step = fail_step
-        self.steps = 0
-
-    def step(self):
-        out = super().step()
-        if out is not None:
-            self.steps += 1
-            if self.steps == self.fail_step:
-                raise RuntimeError("this step fails")
-        return out
 
 
 class SlowFakeBackend(FakeBackend):
@@ -52,6 +37,23 @@ class SlowFakeBackend(FakeBackend):
         out = super().step()
         if out is not None:
             time.sleep(self.step_s)
+        return out
+
+
+class FailingStepFakeBackend(SlowFakeBackend):
+    """The slow fake engine whose `fail_step`-th step raises (once)."""
+
+    def __init__(self, *, fail_step: int = 5, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.fail_step = fail_step
+        self.steps = 0
+
+    def step(self):
+        out = super().step()
+        if out is not None:
+            self.steps += 1
+            if self.steps == self.fail_step:
+                raise RuntimeError("this step fails")
         return out
 
 
