@@ -297,7 +297,12 @@ class TalkerBackend(VLLMBackend):
 
     def _engine_kwargs(self) -> dict[str, Any]:
         prepare_vllm()
-        return {"skip_tokenizer_init": True, "tokenizer": None}
+        # A prompt is prefilled in one step, never in chunks: vLLM's CPU runner
+        # cannot rewind a seeded request's generator for the discarded sample
+        # of a partial prefill ("CPU Generator does not use offset": the step
+        # fails), which many requests admitted between two steps would hit.
+        return {"skip_tokenizer_init": True, "tokenizer": None,
+                "enable_chunked_prefill": False, "max_num_batched_tokens": self._max_model_len}
 
     def _after_engine(self) -> None:
         runner = rh.get_model_runner(self.engine)
