@@ -18,4 +18,5 @@ echo "== ruff"
 echo "== mypy (typed core)"
 "$BIN/mypy"
 echo "== pytest"
-"$BIN/python" -m pytest -q "$@"
+# --durations: the slowest tests in every run's log (CI time is budgeted)
+"$BIN/python" -m pytest -q --durations=30 "$@"

@@ -68,3 +68,19 @@ def reference_audio_sync(text: str, seed: int, profile: str = "tts", voice: str 
 
 def digest(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def describe_pcm_difference(a: bytes, b: bytes) -> str:
+    """Where two PCM16 streams differ, in words: their lengths, the first
+    differing sample and how far apart they are (a sampling flip changes the
+    codes and so the whole rest; rounding noise moves samples by a few LSB)."""
+    if a == b:
+        return "identical"
+    x = torch.frombuffer(bytearray(a), dtype=torch.int16).to(torch.int32)
+    y = torch.frombuffer(bytearray(b), dtype=torch.int16).to(torch.int32)
+    n = min(len(x), len(y))
+    diff = (x[:n] - y[:n]).abs()
+    where = diff.nonzero()
+    first = int(where[0]) if len(where) else n
+    return (f"{len(x)} vs {len(y)} samples; first difference at sample {first} ({first / 24000:.3f} s at 24 kHz); "
+            f"{len(where)} of {n} common samples differ, by at most {int(diff.max()) if n else 0}")

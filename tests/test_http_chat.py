@@ -461,7 +461,9 @@ def test_vllm_tiny_omni_chat_stream_equals_grpc_generate(tmp_path_factory) -> No
     from decoder_svc.qwen3_omni.tiny import create_tiny_checkpoint
 
     checkpoint = create_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "qwen3-omni-tiny")
-    stack = start_stack(tmp_path_factory, "omni", engine="vllm", model=str(checkpoint))
+    # the chat request sets no audio cap: 4 s of audio, not the 60 s default
+    stack = start_stack(tmp_path_factory, "omni", engine="vllm", model=str(checkpoint),
+                        extra_decoder_args=["--default-audio-seconds", "4"])
     try:
         check_stream_equals_grpc(stack, seed=11, max_tokens=6)
     finally:

@@ -1,7 +1,8 @@
 """Load and soak on the real stack (vLLM engine, tiny Qwen3-Omni checkpoint).
 
 - 64 concurrent Speak streams for a while: zero errors, zero sequence gaps.
-- Many decode steps: the decoder's RSS after warm-up grows by at most 5%.
+- Many decode steps: after warm-up, the RSS of the decoder and of each of its
+  child processes (stage engine, code2wav worker) grows by at most 5%.
 
 Shortened by default (and in CI); the full runs (60 s of load, 10,000 decode
 steps) with ``OMNI_SOAK_FULL=1``::
@@ -27,7 +28,7 @@ FULL = os.environ.get("OMNI_SOAK_FULL") == "1"
 pytestmark = [pytest.mark.soak, pytest.mark.vllm, pytest.mark.e2e, pytest.mark.timeout(2400 if FULL else 600)]
 
 LOAD_SECONDS = 60.0 if FULL else 12.0
-RSS_STEPS = 10_000 if FULL else 1_500
+RSS_STEPS = 10_000 if FULL else 500
 WORDS = "the quick brown fox jumps over the lazy dog and speaks a little more".split()
 
 
@@ -100,18 +101,32 @@ def test_64_concurrent_speak_streams_without_errors_or_gaps(stack):
     assert done >= 64, f"only {done} requests finished in {LOAD_SECONDS:.0f} s"
 
 
+def _rss_by_process(decoder: psutil.Process) -> dict[str, int]:
+    """RSS of the decoder and of each of its child processes (the AR stage's
+    engine process, the code2wav worker), by pid and title."""
+    out = {f"{decoder.pid} decoder": decoder.memory_info().rss}
+    for child in decoder.children(recursive=True):
+        out[f"{child.pid} {' '.join(child.cmdline())[:60]}"] = child.memory_info().rss
+    return out
+
+
 def test_decoder_rss_growth_after_warmup_is_bounded(stack):
+    """The decoder service's processes (its own and its children's, each on
+    its own) grow by at most 5% over RSS_STEPS decode steps after warm-up."""
     proc = _decoder_process(stack)
     start = _decoder_steps(stack)
-    warm = start + RSS_STEPS // 3
+    # the stage's engine process settles after ~400 steps here (vLLM's and
+    # the allocator's caches fill: ~680 -> ~810 MiB, then +-20 MiB)
+    warm = start + max(RSS_STEPS // 3, 600)
     _load(stack.gateway_target, 16, lambda: _decoder_steps(stack) >= warm, frames=32)
-    rss_warm = proc.memory_info().rss
+    rss_warm = _rss_by_process(proc)
+    assert len(rss_warm) >= 3, f"expected the decoder, its stage process and a code2wav worker: {rss_warm}"
     target = _decoder_steps(stack) + RSS_STEPS
     done, errors = _load(stack.gateway_target, 16, lambda: _decoder_steps(stack) >= target, frames=32)
-    rss_end = proc.memory_info().rss
+    rss_end = _rss_by_process(proc)
     assert not errors, errors[:5]
-    growth = rss_end / rss_warm - 1
-    assert growth <= 0.05, (
-        f"decoder RSS grew {growth:.1%} over {RSS_STEPS} steps after warm-up "
-        f"({rss_warm / 2**20:.0f} -> {rss_end / 2**20:.0f} MiB, {done} requests)"
-    )
+    assert rss_end.keys() == rss_warm.keys(), f"processes changed under load: {rss_warm.keys()} -> {rss_end.keys()}"
+    growth = {name: rss_end[name] / rss_warm[name] - 1 for name in rss_warm}
+    report = {name: f"{rss_warm[name] / 2**20:.0f} -> {rss_end[name] / 2**20:.0f} MiB ({growth[name]:+.1%})"
+              for name in rss_warm}
+    assert max(growth.values()) <= 0.05, f"RSS grew over {RSS_STEPS} steps after warm-up ({done} requests): {report}"
