@@ -120,7 +120,8 @@ def test_decoder_rss_growth_after_warmup_is_bounded(stack):
     warm = start + max(RSS_STEPS // 3, 600)
     _load(stack.gateway_target, 16, lambda: _decoder_steps(stack) >= warm, frames=32)
     rss_warm = _rss_by_process(proc)
-    assert len(rss_warm) >= 3, f"expected the decoder, its stage process and a code2wav worker: {rss_warm}"
+    assert any("decoder stage talker" in name for name in rss_warm), f"no talker stage process: {list(rss_warm)}"
+    assert len(rss_warm) >= 3, f"expected the decoder, its stage process and a code2wav worker: {list(rss_warm)}"
     target = _decoder_steps(stack) + RSS_STEPS
     done, errors = _load(stack.gateway_target, 16, lambda: _decoder_steps(stack) >= target, frames=32)
     rss_end = _rss_by_process(proc)
