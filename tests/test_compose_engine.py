@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+import yaml
 
 from omni_cli.launcher import free_port
 
@@ -153,14 +154,21 @@ class Project:
         return json.loads(_sh([_docker(), "inspect", self.container(service)]).stdout)[0]
 
     def main_pid(self, service: str) -> int:
-        """Host pid of the service's own process (under the container's init)."""
+        """Host pid of the service's own process (under the container's init).
+
+        Matched on its module: a health probe (`python -m omni_cli.probe`) may be
+        running in the container at the same moment.
+        """
+        command = yaml.safe_load(COMPOSE.read_text())["services"][service]["command"]
+        assert command[:2] == ["python", "-m"], f"{service}: command {command}"
+        module = command[2]
         out = _sh([_docker(), "top", self.container(service), "-eo", "pid,args"]).stdout
         pids = [
             int(line.split()[0])
             for line in out.splitlines()[1:]
-            if line.split()[1:3] == ["python", "-m"]
+            if line.split()[1:4] == ["python", "-m", module]
         ]
-        assert len(pids) == 1, f"{service}: expected one `python -m` process, got:\n{out}"
+        assert len(pids) == 1, f"{service}: expected one `python -m {module}` process, got:\n{out}"
         return pids[0]
 
     def exec_python(self, service: str, code: str) -> str:
