@@ -35,6 +35,7 @@ until requests succeed again (see `failover`).
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import contextlib
 import dataclasses
@@ -177,6 +178,7 @@ class Client:
             "wall_s": t1 - t0, "audio_s": audio_s, "rtf": (t1 - t0) / audio_s if audio_s else float("nan"),
             "sha256": pcm.hexdigest(), "bytes": nbytes, "retries": retries,
             "server_ttfp_ms": m.ttfp_ms if m else None, "server_rtf": m.rtf if m else None,
+            "first_chunk_frames": m.first_chunk_frames if m else 0,
         }
 
     def generate(self, i: int, max_tokens: int, tag: str) -> dict[str, Any]:
@@ -196,8 +198,10 @@ class Client:
         first_audio = last_text = None
         text_hash, pcm = hashlib.sha256(), hashlib.sha256()
         nbytes = 0
+        first_chunk = 0
         for resp in self.stub.Generate(req, timeout=600):
             out = resp.output
+            first_chunk = out.metrics.first_chunk_frames or first_chunk
             now = time.perf_counter()
             if out.text.text or out.text.token_ids:
                 last_text = now
@@ -218,6 +222,7 @@ class Client:
             "audio_lead_s": (last_text - first_audio) if last_text and first_audio else nan,
             "sha256": hashlib.sha256(text_hash.digest() + pcm.digest()).hexdigest(),
             "text_sha256": text_hash.hexdigest(), "audio_sha256": pcm.hexdigest(), "audio_bytes": nbytes,
+            "first_chunk_frames": first_chunk,
         }
 
     def run_level(self, indices: list[int], concurrency: int, max_tokens: int, tag: str, bar=None,  # noqa: ANN001
@@ -376,7 +381,14 @@ def level_summary(reqs: list[dict[str, Any]]) -> dict[str, Any]:
         "ttfp_ms": summary([r["ttfp_s"] for r in reqs], 1e3), "rtf": summary([r["rtf"] for r in reqs]),
         "server_ttfp_ms": summary([r["server_ttfp_ms"] for r in reqs if r["server_ttfp_ms"]]),
         "audio_s_total": audio, "audio_s_per_wall_s": audio / wall, "retries": sum(r["retries"] for r in reqs),
+        "first_chunk_frames": first_chunks(reqs),
     }
+
+
+def first_chunks(reqs: list[dict[str, Any]]) -> dict[str, int]:
+    """How many requests had each first chunk (frames), as the servers reported."""
+    counts = collections.Counter(int(r.get("first_chunk_frames") or 0) for r in reqs)
+    return {str(k): counts[k] for k in sorted(counts)}
 
 
 def _ensure_models(cfg: E2EConfig) -> str:
@@ -505,23 +517,53 @@ def run(cfg: E2EConfig, out_dir: Path) -> SuiteResult:
 
 def compare_hashes(by_level: dict[Any, dict[str, list[dict[str, Any]]]], profile: str = "tts") -> list[dict[str, Any]]:
     """Per level and prompt, each mode's sha256; equal when all modes agree
-    (a mode that has no result for the prompt makes it unequal)."""
+    (a mode that has no result for the prompt makes it unequal).
+    comparable: every mode's request had the same first audio chunk (the
+    deployment chooses it by the load at the request's start, and only the
+    same chunks give the same bytes: docs/decoder.md)."""
     out = []
     for c, per_mode in by_level.items():
         got = {m: {r["index"]: r["sha256"] for r in reqs} for m, reqs in per_mode.items()}
+        chunk = {m: {r["index"]: int(r.get("first_chunk_frames") or 0) for r in reqs} for m, reqs in per_mode.items()}
         indices = sorted(set().union(*(g.keys() for g in got.values())))
         for i in indices:
             row: dict[str, Any] = {"profile": profile, "concurrency": c, "index": i}
             row.update({m: got[m].get(i) for m in MODES})
             values = [row[m] for m in MODES]
             row["equal"] = None not in values and len(set(values)) == 1
+            row["first_chunks"] = {m: chunk[m].get(i) for m in MODES}
+            row["comparable"] = len(set(row["first_chunks"].values())) == 1
             out.append(row)
     return out
 
 
+def hashes_held(hashes: list[dict[str, Any]]) -> tuple[int, int, int]:
+    """(equal, comparable, all): of the comparable rows (same first chunk in
+    every mode), how many are equal; an unequal row that is not comparable
+    is not a failure of the byte-identity invariant."""
+    comparable = [h for h in hashes if h.get("comparable", True)]
+    return sum(h["equal"] for h in comparable), len(comparable), len(hashes)
+
+
+def first_chunk_cell(per_mode: dict[str, dict[str, Any]]) -> str:
+    """Per mode, how many requests had each first chunk ("async 1: 380, 5: 4; ...")."""
+    return "; ".join(f"{m} " + ", ".join(f"{k}: {n}" for k, n in (per_mode[m].get("first_chunk_frames") or {}).items())
+                     for m in MODES if m in per_mode)
+
+
+def first_chunk_note(comparable: int, total: int) -> str:
+    if comparable == total:
+        return ""
+    return (f"; {total - comparable} of {total} requests started under another load in some mode (another first "
+            "chunk) and are not compared")
+
+
 def hash_line(h: dict[str, Any], digits: int) -> str:
     modes = " ".join(f"{m}={(h.get(m) or '-')[:digits]}" for m in MODES)
-    return f"{h['profile']} c={h['concurrency']} #{h['index']} {modes} {'equal' if h['equal'] else 'DIFFERENT'}"
+    verdict = "equal" if h["equal"] else "DIFFERENT" if h.get("comparable", True) else "other first chunk"
+    chunks = "" if h.get("comparable", True) else " first chunks " + ",".join(
+        f"{m}={v}" for m, v in h["first_chunks"].items())
+    return f"{h['profile']} c={h['concurrency']} #{h['index']} {modes} {verdict}{chunks}"
 
 
 def run_omni(cfg: E2EConfig, model_dir: str) -> dict[str, Any]:
@@ -573,6 +615,7 @@ def omni_summary(reqs: list[dict[str, Any]]) -> dict[str, Any]:
         "audio_lead_ms": summary(leads, 1e3),
         "first_audio_before_thinker_done": sum(1 for v in leads if v > 0),
         "with_text_and_audio": len(leads),
+        "first_chunk_frames": first_chunks(reqs),
     }
 
 
@@ -682,7 +725,7 @@ def e2e_targets(levels: dict[str, dict[str, Any]], hashes, memory, top: int,  # 
     scaling = ratio(sixty_four["ttfp_ms"]["p50"], one["ttfp_ms"]["p50"]) if one and sixty_four else None
     probe = (probes or {}).get("async")
     info_p99 = probe["latency_ms"]["p99"] if probe and probe["latency_ms"]["n"] else None
-    equal = sum(h["equal"] for h in hashes)
+    equal, comparable, total = hashes_held(hashes)
     idle, peak = memory.get("materializer_idle_mib"), memory.get("materializer_peak_at_top_mib")
     mat = ratio(peak, idle) if idle and peak else None
     grew = [n for n, m in memory["processes"].items() if m["grew_over_limit"]]
@@ -697,17 +740,19 @@ def e2e_targets(levels: dict[str, dict[str, Any]], hashes, memory, top: int,  # 
               "async stack" + ("" if one and sixty_four else " (concurrency 1 and 64 not both run)")),
         check("GetDecoderInfo p99 under full load (async)", info_p99, "<= 50 ms", lambda v: v <= 50, " ms",
               f"{probe['latency_ms']['n']} calls during {at}" if probe else f"{at} (no probe)"),
-        check("e2e audio hashes equal (async, sync, thread)", float(equal), f"{len(hashes)}/{len(hashes)}",
-              lambda v: hashes and v == len(hashes), f"/{len(hashes)}", "sha256 of every request's PCM"),
+        check("e2e audio hashes equal (async, sync, thread)", float(equal), f"{comparable}/{comparable}",
+              lambda v: comparable and v == comparable, f"/{comparable}",
+              "sha256 of every request's PCM" + first_chunk_note(comparable, total)),
     ]
     if omni:
         ohashes = omni["hashes"]
+        oequal, ocomparable, ototal = hashes_held(ohashes)
         oa = omni["modes"].get("async", {})
         lead = oa.get("audio_lead_ms", {}).get("p50")
         targets += [
-            check("omni text+audio hashes equal (async, sync, thread)", float(sum(h["equal"] for h in ohashes)),
-                  f"{len(ohashes)}/{len(ohashes)}", lambda v: ohashes and v == len(ohashes), f"/{len(ohashes)}",
-                  "sha256 of every request's text and PCM"),
+            check("omni text+audio hashes equal (async, sync, thread)", float(oequal),
+                  f"{ocomparable}/{ocomparable}", lambda v: ocomparable and v == ocomparable, f"/{ocomparable}",
+                  "sha256 of every request's text and PCM" + first_chunk_note(ocomparable, ototal)),
             check("omni: first audio before the thinker finished (async, p50 lead)", lead, "> 0 ms",
                   lambda v: v > 0, " ms",
                   f"{oa.get('first_audio_before_thinker_done', 0)}/{oa.get('with_text_and_audio', 0)} requests; "
@@ -751,9 +796,10 @@ def markdown(data: dict[str, Any], targets) -> str:  # noqa: ANN001
         rows.append([c, ratio(a["throughput_rps"], s["throughput_rps"]), ratio(a["throughput_rps"], t["throughput_rps"]),
                      ratio(a["ttfp_ms"]["p50"], s["ttfp_ms"]["p50"]), ratio(a["ttfp_ms"]["p50"], t["ttfp_ms"]["p50"]),
                      ratio(a["rtf"]["p50"], s["rtf"]["p50"]), ratio(a["rtf"]["p50"], t["rtf"]["p50"]),
-                     f"{sum(h['equal'] for h in eq)}/{len(eq)}"])
+                     "{}/{}".format(*hashes_held(eq)[:2]), first_chunk_cell(lv)])
     lines.append(md_table(["concurrency", "throughput async/sync", "throughput async/thread", "TTFP p50 async/sync",
-                           "TTFP p50 async/thread", "RTF p50 async/sync", "RTF p50 async/thread", "hashes equal"], rows))
+                           "TTFP p50 async/thread", "RTF p50 async/sync", "RTF p50 async/thread",
+                           "hashes equal (same first chunk)", "first chunk frames: requests"], rows))
     lines += ["", "CPU per request (ms, all processes of the stack and the client) and host CPU use during each level:", ""]
     rows = []
     for c, lv in data["levels"].items():
@@ -800,7 +846,9 @@ def markdown(data: dict[str, Any], targets) -> str:  # noqa: ANN001
                                "first audio p99 ms", "lead p50 ms", "audio before thinker done",
                                "decoder CPU ms / request"], rows))
         oeq = omni["hashes"]
-        lines += ["", f"Text + audio hashes equal across the modes: {sum(h['equal'] for h in oeq)}/{len(oeq)}. "
+        oequal, ocomparable, ototal = hashes_held(oeq)
+        lines += ["", f"Text + audio hashes equal across the modes: {oequal}/{ocomparable}"
+                  f"{first_chunk_note(ocomparable, ototal)}. First chunks: {first_chunk_cell(omni['modes'])}. "
                   "Stage paths: " + "; ".join(
                       f"{m}: " + ", ".join(f"{st['name']} {st['output_path'].removeprefix('OUTPUT_PATH_').lower()}"
                                            for st in i["stages"])
@@ -820,7 +868,8 @@ def markdown(data: dict[str, Any], targets) -> str:  # noqa: ANN001
               f"Shared-memory segments left after stop: {mem['shm_segments_left_after_stop']}.", ""]
     lines += ["## Audio hashes (sha256, first 16 hex digits; full in hashes.txt)", ""]
     lines.append(md_table(["concurrency", "#", *MODES, "equal"],
-                          [[h["concurrency"], h["index"], *((h.get(m) or "")[:16] for m in MODES), h["equal"]]
+                          [[h["concurrency"], h["index"], *((h.get(m) or "")[:16] for m in MODES),
+                            h["equal"] if h.get("comparable", True) else "other first chunk"]
                            for h in data["hashes"]]))
     if data.get("replicas", 1) > 1:
         lines += ["", "## Replicas", "",

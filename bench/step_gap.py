@@ -130,7 +130,7 @@ class FrameCounter:
         self._q.put(None)
         self._thread.join(timeout=30)
 
-    def frames(self, request_id: str, voice: str, codes: np.ndarray) -> None:
+    def frames(self, request_id: str, voice: str, codes: np.ndarray, first: int = 0) -> None:
         self.frames_seen += int(codes.shape[0])
 
     def finish(self, request_id: str, voice: str, reason: str) -> None:

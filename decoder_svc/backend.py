@@ -32,6 +32,8 @@ class RequestSpec:
     modality: OutputModality = OutputModality.AUDIO
     # Cap on the request's audio in seconds (0 = the deployment's default).
     max_audio_seconds: float = 0.0
+    # Codec frames of the first audio chunk (0 = the deployment's choice).
+    first_chunk_frames: int = 0
     # Style instructions for the model's prompt (a system turn); only where
     # the deployment takes them (DeploymentSettings.supports_instructions).
     instructions: str = ""

@@ -1,12 +1,17 @@
 """code2wav: chunking of the generation stage that turns codec frames into audio.
 
 Frames arrive per request as the talker produces them. They are decoded in
-chunks whose boundaries depend only on the frame index (an initial ramp of
-small chunks for a fast first packet, then `codec_chunk_frames`), each chunk
+chunks whose boundaries depend only on the frame index and the request's
+first chunk (an initial ramp of small chunks for a fast first packet, then
+`codec_chunk_frames`; the first chunk may be smaller, chosen per request
+when its audio starts: StageConfig.first_chunk_by_load), each chunk
 re-decoding up to `codec_left_context_frames` earlier frames and dropping
-their samples. Because the vocoder's receptive field (the current and the
-previous frame) is inside that left context, chunked audio equals the audio
-of decoding the whole sequence at once, sample for sample.
+their samples. Because the vocoder's receptive field is inside that left
+context, chunked audio equals the audio of decoding the whole sequence at
+once: sample for sample with the fake engine's vocoder (the current and the
+previous frame), within float rounding with the checkpoint's Code2Wav (which
+streams its layers' state; tests/test_code2wav_neural.py). Two runs of one
+request with the same chunks give the same bytes.
 
 The vocoder itself comes from the engine: the checkpoint's Code2Wav
 (decoder_svc/qwen3_omni/code2wav.py), or the fake engine's test double.
@@ -23,8 +28,7 @@ FRAME_RATE_HZ = 12.5
 SAMPLES_PER_FRAME = int(SAMPLE_RATE_HZ / FRAME_RATE_HZ)  # 1920
 
 
-def chunk_boundaries(ramp: Sequence[int], chunk_frames: int):
-    """Frame indices where chunks end: cumulative ramp, then every chunk_frames."""
+def _ramp_boundaries(ramp: Sequence[int], chunk_frames: int):
     end = 0
     for size in ramp:
         end += size
@@ -34,15 +38,29 @@ def chunk_boundaries(ramp: Sequence[int], chunk_frames: int):
         yield end
 
 
+def chunk_boundaries(ramp: Sequence[int], chunk_frames: int, first: int = 0):
+    """Frame indices where chunks end: cumulative ramp, then every
+    chunk_frames. first > 0: the first chunk ends at frame `first`, the
+    later ones at those boundaries beyond it (a first chunk of 2 with ramp
+    (5, 10) and chunk 25: 2, 5, 15, 40, ...)."""
+    if first > 0:
+        yield first
+    for end in _ramp_boundaries(ramp, chunk_frames):
+        if end > first:
+            yield end
+
+
 class ChunkState:
     """Per-request chunking of code2wav: frames arrive, chunks go out at
-    boundaries that depend only on the frame index (ramp, then chunk_frames)."""
+    boundaries that depend only on the frame index and the request's first
+    chunk (``chunk_boundaries``)."""
 
-    def __init__(self, ramp: Sequence[int], chunk_frames: int, stream, num_codebooks: int):
+    def __init__(self, ramp: Sequence[int], chunk_frames: int, stream, num_codebooks: int, first: int = 0):
+        """first: frames of the first chunk (0: the ramp's)."""
         self.num_codebooks = num_codebooks
         self._pending: list[np.ndarray] = []  # frames received, not yet decoded
         self.received = 0  # frames received
-        self._bounds = chunk_boundaries(ramp, chunk_frames)
+        self._bounds = chunk_boundaries(ramp, chunk_frames, first)
         self.next_end = next(self._bounds)
         self.emitted = 0  # frames whose audio went out
         self.decoded = 0  # frames handed to the stream

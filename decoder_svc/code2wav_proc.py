@@ -196,14 +196,16 @@ class Code2WavCore:
         if r is not None:
             self.queued -= len(r.ready)
 
-    def add(self, kind: str, rid: str, voice: str, value, received_at: float | None = None) -> None:
+    def add(self, kind: str, rid: str, voice: str, value, received_at: float | None = None, first: int = 0) -> None:
         """Take a queued item: kind "frames" (value: codes) or "finish" (value:
         the finish reason). Cuts the chunks the item completes into the
         request's ready chunks; decodes nothing. received_at: when the item
-        arrived (the worker's clock; default now)."""
+        arrived (the worker's clock; default now). first: frames of the
+        request's first chunk (0: the ramp's), taken from its first item."""
         r = self._requests.get(rid)
         if r is None:
-            state = ChunkState(self.ramp, self.chunk_frames, self.vocoder.new_stream(voice), self.num_codebooks)
+            state = ChunkState(self.ramp, self.chunk_frames, self.vocoder.new_stream(voice), self.num_codebooks,
+                               first)
             r = self._requests[rid] = PendingRequest(rid, next(self._seq), state)
         if r.finished:
             return
@@ -361,13 +363,13 @@ def worker_main(
                     stop = True
                     break
                 if msg[0] == "frames":
-                    _, rid, voice, ref = msg
+                    _, rid, voice, ref, first = msg
                     try:
-                        inbox.put(("frames", rid, voice, _load_codes(reader, ref, released), at))
+                        inbox.put(("frames", rid, voice, _load_codes(reader, ref, released), at, first))
                     except Exception as exc:  # noqa: BLE001 -- fail this request only
-                        inbox.put(("fail", rid, "", _short(exc), at))
+                        inbox.put(("fail", rid, "", _short(exc), at, 0))
                 else:
-                    inbox.put((*msg, at))
+                    inbox.put((*msg, at, 0))
             if released:
                 send(("rel", released))
             if stop:
@@ -394,7 +396,7 @@ def worker_main(
         send(("error", rid, text, trace))
 
     def take(item: tuple) -> None:
-        kind, rid, voice, value, at = item
+        kind, rid, voice, value, at, first = item
         if kind == "abort":
             core.drop(rid)
             failed.discard(rid)
@@ -404,7 +406,7 @@ def worker_main(
             fail(rid, value, "")
         else:
             try:
-                core.add(kind, rid, voice, value, at)
+                core.add(kind, rid, voice, value, at, first)
             except Exception as exc:  # noqa: BLE001 -- fail this request, keep serving the others
                 fail(rid, _short(exc), traceback.format_exc())
 
@@ -624,7 +626,7 @@ class Code2WavProcessPool:
             return [w.process.pid for w in self._workers if w.process is not None and w.process.is_alive()]
 
     # -- the stage's interface -------------------------------------------------------
-    def frames(self, request_id: str, voice: str, codes: np.ndarray) -> None:
+    def frames(self, request_id: str, voice: str, codes: np.ndarray, first: int = 0) -> None:
         w = self._route(request_id)
         if w is None:
             return
@@ -641,7 +643,7 @@ class Code2WavProcessPool:
                 send = True
                 if lease is not None:
                     w.slots.add((lease.slot, lease.generation))
-                w.sendq.put(("frames", request_id, voice, ref))
+                w.sendq.put(("frames", request_id, voice, ref, first))
         if not send and lease is not None:
             self.arena.release(lease.slot, lease.generation)
 

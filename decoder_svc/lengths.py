@@ -95,6 +95,9 @@ class DeploymentSettings:
     repetition_window: int
     """Frames; 0 = the guard is off."""
     repetition_max_period: int
+    max_first_chunk_frames: int = 0
+    """Largest first audio chunk a request may ask for (the generation
+    stage's codec_chunk_frames; 0: no audio)."""
 
     @property
     def has_text_stage(self) -> bool:
@@ -200,6 +203,7 @@ class DeploymentSettings:
             default_temperature=self.default_temperature,
             default_top_p=self.default_top_p,
             default_top_k=self.default_top_k,
+            max_first_chunk_frames=self.max_first_chunk_frames,
         )
 
     def new_guard(self) -> RepetitionGuard | None:
@@ -283,6 +287,13 @@ def check_request(spec, settings: DeploymentSettings) -> None:
         )
     if spec.max_tokens < 0:
         raise InvalidArgumentError(f"{sp}.max_tokens", f"must be >= 0, got {spec.max_tokens}")
+    first = int(spec.first_chunk_frames)
+    if spec.task == "generate" and spec.modality & OutputModality.AUDIO and not 0 <= first <= settings.max_first_chunk_frames:
+        raise InvalidArgumentError(
+            f"{sp}.first_chunk_frames",
+            f"must be in [0, {settings.max_first_chunk_frames}] (0 = the deployment's choice; at most its "
+            f"steady chunk of {settings.max_first_chunk_frames} codec frames), got {first}",
+        )
     if settings.has_text_stage and spec.max_tokens > settings.max_text_tokens:
         raise InvalidArgumentError(
             f"{sp}.max_tokens",

@@ -104,6 +104,11 @@ CODE2WAV_QUEUE_CHUNKS = Gauge(
     "omni_decoder_code2wav_queue_chunks",
     "code2wav chunks ready (their frames arrived) and not yet decoded, all workers together",
 )
+FIRST_CHUNKS = Counter(
+    "omni_decoder_first_chunks_total",
+    "Requests whose audio started, by the codec frames of their first chunk (chosen by load or by the request)",
+    ["frames"],
+)
 # 1 ms .. 10 s: idle, a first chunk waits for nothing; under load, for the
 # chunks decoded before it
 CODE2WAV_FIRST_CHUNK_WAIT = Histogram(

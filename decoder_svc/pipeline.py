@@ -64,6 +64,7 @@ from omni_common.materialize import (
     payload_tensors,
     sources_of,
 )
+from omni_common.modality import OutputModality
 from omni_common.shm_arena import ShmArena, SlotLease
 from omni_common.tensor_wire import encode_inline
 from omni_serving.v1 import common_pb2, decoder_pb2, materializer_pb2, payload_pb2
@@ -102,6 +103,8 @@ class RequestContext:
     upstream_open: bool = False
     # the audio ended while upstream_open: its finish reason, until the upstream ends
     audio_reason: str = ""
+    # frames of its first audio chunk, chosen when its first frames reach code2wav
+    first_chunk_frames: int = 0
 
     sample_rate: int = 24_000
 
@@ -114,6 +117,7 @@ class RequestContext:
             num_steps=self.steps,
             audio_seconds=audio_s,
             elapsed_ms=(now - self.arrival_s) * 1e3,
+            first_chunk_frames=self.first_chunk_frames,
         )
 
 
@@ -362,14 +366,16 @@ class Code2WavWorker:
         self._thread.join(timeout=30)
         self._report()
 
-    def frames(self, request_id: str, voice: str, codes: np.ndarray) -> None:
-        self._queue.put(("frames", request_id, voice, codes, self._core.clock()))
+    def frames(self, request_id: str, voice: str, codes: np.ndarray, first: int = 0) -> None:
+        """first: frames of the request's first chunk (0: the ramp's); its
+        first call's value counts."""
+        self._queue.put(("frames", request_id, voice, codes, self._core.clock(), first))
 
     def finish(self, request_id: str, voice: str, reason: str) -> None:
-        self._queue.put(("finish", request_id, voice, reason, self._core.clock()))
+        self._queue.put(("finish", request_id, voice, reason, self._core.clock(), 0))
 
     def abort(self, request_id: str) -> None:
-        self._queue.put(("abort", request_id, "", None, 0.0))
+        self._queue.put(("abort", request_id, "", None, 0.0, 0))
 
     def _loop(self) -> None:
         """Items arrive on the queue (the callers never wait); everything that
@@ -379,14 +385,14 @@ class Code2WavWorker:
         run_chunks(self._core, self._queue, self._take, self._emit, self._fail, self._report)
 
     def _take(self, item: tuple) -> None:
-        kind, rid, voice, value, at = item
+        kind, rid, voice, value, at, first = item
         if kind == "abort":
             self._core.drop(rid)
             return
         if not self._core.has(rid) and self.live is not None and not self.live(rid):
             return
         try:
-            self._core.add(kind, rid, voice, value, at)
+            self._core.add(kind, rid, voice, value, at, first)
         except Exception as exc:  # noqa: BLE001 -- fail this request, keep serving the others
             self._fail(rid, exc)
 
@@ -550,6 +556,8 @@ class Pipeline:
                 facts=facts_of([backends[s.name] for s in self.ar_configs], vocoder),
                 options=options,
             )
+        if settings.output_modalities & OutputModality.AUDIO and not settings.max_first_chunk_frames:
+            settings = dataclasses.replace(settings, max_first_chunk_frames=self.gen_config.codec_chunk_frames)
         self.settings = settings
         if code2wav_workers < 0:
             raise InvalidArgumentError("code2wav_workers", f"must be >= 0, got {code2wav_workers}")
@@ -704,6 +712,14 @@ class Pipeline:
             except Exception:  # noqa: BLE001 -- a broken sink must not stop the others
                 logger.exception("request %s: sending its error failed", rid)
 
+    def _first_chunk(self) -> int:
+        """Frames of the first audio chunk of a request whose audio starts
+        now: by the audio requests in flight (itself included), as the
+        profile's generation stage sets it (``first_chunk_by_load``)."""
+        with self._lock:
+            audio = len(self._requests) - len(self._text_only)
+        return self.gen_config.first_chunk_for_load(audio)
+
     @property
     def active_requests(self) -> int:
         with self._lock:
@@ -774,7 +790,10 @@ class Pipeline:
                     codes = tensors["codec_codes"].numpy()
                     if local:  # queued for code2wav: the slot it views is reused
                         codes = codes.copy()
-                    self.code2wav.frames(rid, ctx.spec.voice, codes)
+                    if not ctx.first_chunk_frames:
+                        ctx.first_chunk_frames = ctx.spec.first_chunk_frames or self._first_chunk()
+                        metrics.FIRST_CHUNKS.labels(str(ctx.first_chunk_frames)).inc()
+                    self.code2wav.frames(rid, ctx.spec.voice, codes, ctx.first_chunk_frames)
                     if ctx.guard is not None and self._loops(ctx.guard, codes):
                         self._end_looping(ctx, step.stage_id)
                         continue

@@ -6,6 +6,7 @@ given as a path. docs/profiles.md documents every key.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -69,6 +70,12 @@ class StageConfig:
     codec_chunk_frames: int = 25
     codec_left_context_frames: int = 25
     initial_chunk_ramp: tuple[int, ...] = (5, 10)
+    # The generation stage's first chunk by load: ((requests, frames), ...)
+    # by requests ascending. A request whose first codec frames arrive with
+    # at least `requests` audio requests in flight (itself included) gets a
+    # first chunk of `frames` frames, then the boundaries of the ramp above;
+    # below the first entry, or empty: the ramp as it is.
+    first_chunk_by_load: tuple[tuple[int, int], ...] = ()
     # An AR stage after another one: start a request from the upstream
     # stage's first input_chunk_ramp[0] tokens, then take its output in
     # chunks of the ramp's next sizes, then of input_chunk_tokens (with the
@@ -100,6 +107,22 @@ class StageConfig:
         if k < len(ramp):
             return sum(ramp[: k + 1])
         return sum(ramp) + (k - len(ramp) + 1) * self.input_chunk_tokens
+
+    @property
+    def default_first_chunk(self) -> int:
+        """Frames of the first chunk without load: the ramp's first size
+        (``codec_chunk_frames`` without a ramp)."""
+        return self.initial_chunk_ramp[0] if self.initial_chunk_ramp else self.codec_chunk_frames
+
+    def first_chunk_for_load(self, requests: int) -> int:
+        """Frames of the first chunk of a request that starts its audio with
+        `requests` audio requests in flight (``first_chunk_by_load``)."""
+        frames = self.default_first_chunk
+        for at_least, size in self.first_chunk_by_load:
+            if requests < at_least:
+                break
+            frames = size
+        return frames
 
     def plan(self) -> materializer_pb2.StagePlan:
         """The stage's payload processing, as the contract states it."""
@@ -258,7 +281,39 @@ def _stage_from_dict(i: int, raw: dict[str, Any]) -> StageConfig:
         values["initial_chunk_ramp"] = tuple(int(x) for x in values["initial_chunk_ramp"])
     if "input_chunk_ramp" in values or "input_chunk_tokens" in values:
         values["input_chunk_ramp"], values["input_chunk_tokens"] = _input_chunks(where, raw)
+    if "first_chunk_by_load" in values:
+        values["first_chunk_by_load"] = _first_chunk_by_load(where, raw)
     return StageConfig(**values)
+
+
+def _first_chunk_by_load(where: str, raw: dict[str, Any]) -> tuple[tuple[int, int], ...]:
+    """``first_chunk_by_load``, checked: on the generation stage, a list of
+    ``[requests, frames]`` pairs of integers >= 1, requests strictly
+    ascending, frames at most ``codec_chunk_frames``."""
+    name, key = raw["name"], f"{where}.first_chunk_by_load"
+    if raw["kind"] != "generation":
+        raise InvalidArgumentError(key, f"stage {name}: only the generation stage cuts audio chunks")
+    table = raw["first_chunk_by_load"]
+    chunk = int(raw.get("codec_chunk_frames", StageConfig.codec_chunk_frames))
+
+    def whole(x: Any) -> bool:
+        return not isinstance(x, bool) and isinstance(x, int) and x >= 1
+
+    if not isinstance(table, (list, tuple)) or not all(
+        isinstance(e, (list, tuple)) and len(e) == 2 and whole(e[0]) and whole(e[1]) for e in table
+    ):
+        raise InvalidArgumentError(
+            key, f"stage {name}: must be a list of [requests, frames] pairs of integers >= 1, got {table!r}"
+        )
+    loads = [int(e[0]) for e in table]
+    if any(b <= a for a, b in itertools.pairwise(loads)):
+        raise InvalidArgumentError(key, f"stage {name}: requests must be strictly ascending, got {loads}")
+    too_big = [int(e[1]) for e in table if int(e[1]) > chunk]
+    if too_big:
+        raise InvalidArgumentError(
+            key, f"stage {name}: frames must be at most codec_chunk_frames ({chunk}), got {too_big}"
+        )
+    return tuple((int(a), int(b)) for a, b in table)
 
 
 def _input_chunks(where: str, raw: dict[str, Any]) -> tuple[tuple[int, ...], int]:

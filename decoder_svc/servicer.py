@@ -76,6 +76,7 @@ def spec_from_pb(
         task=task,
         modality=modality,
         max_audio_seconds=sp.max_audio_seconds,
+        first_chunk_frames=sp.first_chunk_frames,
         instructions=req.instructions.strip(),
     )
 

@@ -17,8 +17,8 @@ a known field of the wrong type is a 400 naming it):
   (the gateway does not time-stretch);
 * ``instructions``: passed to the decoder, which refuses it where the
   deployment does not support it (400 naming ``instructions``);
-* ``max_tokens``, ``max_audio_seconds``, ``temperature``, ``seed``
-  (extensions): the request's `SamplingParams`. Without ``temperature``
+* ``max_tokens``, ``max_audio_seconds``, ``temperature``, ``seed``,
+  ``first_chunk_frames`` (extensions): the request's `SamplingParams`. Without ``temperature``
   the model's own sampling defaults apply (``model_defaults``), so ``seed``
   picks one of its random outputs; ``temperature: 0`` is greedy.
 
@@ -172,6 +172,9 @@ def speech_call_from_json(body: object, limits: Limits, request_id: str | None) 
         if max_audio_seconds <= 0:
             raise InvalidArgumentError("max_audio_seconds", "must be > 0")
         sampling.max_audio_seconds = max_audio_seconds
+    first_chunk_frames = int_field(body, "first_chunk_frames", 0, MAX_UINT32)
+    if first_chunk_frames is not None:
+        sampling.first_chunk_frames = first_chunk_frames
     temperature = number_field(body, "temperature", 0.0, MAX_TEMPERATURE, " (0 = greedy)")
     if temperature is None:
         sampling.model_defaults = True

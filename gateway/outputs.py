@@ -131,10 +131,12 @@ class RequestMetrics:
     num_steps: int = 0
     audio_seconds: float = 0.0
     elapsed_ms: float = 0.0
+    first_chunk_frames: int = 0
 
     @classmethod
     def from_pb(cls, pb: common_pb2.RequestMetrics) -> RequestMetrics:
-        return cls(pb.ttfp_ms, pb.ttft_ms, pb.rtf, pb.num_steps, pb.audio_seconds, pb.elapsed_ms)
+        return cls(pb.ttfp_ms, pb.ttft_ms, pb.rtf, pb.num_steps, pb.audio_seconds, pb.elapsed_ms,
+                   pb.first_chunk_frames)
 
     def to_pb(self) -> common_pb2.RequestMetrics:
         return common_pb2.RequestMetrics(
@@ -144,6 +146,7 @@ class RequestMetrics:
             num_steps=self.num_steps,
             audio_seconds=self.audio_seconds,
             elapsed_ms=self.elapsed_ms,
+            first_chunk_frames=self.first_chunk_frames,
         )
 
 

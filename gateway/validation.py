@@ -18,7 +18,9 @@ the gateway admits is not refused deep in the engine:
   refuses prompt + max_tokens beyond the model's context (INVALID_ARGUMENT);
 * ``max_audio_seconds``: finite, >= 0 (0 = the deployment's default), at
   most the deployment's ``max_audio_seconds``;
-* ``seed``: below 2**63, the range every engine's int64 seed arithmetic holds.
+* ``seed``: below 2**63, the range every engine's int64 seed arithmetic holds;
+* ``first_chunk_frames``: 0 (the deployment's choice) or at most the
+  deployment's ``max_first_chunk_frames``, on requests with audio.
 
 Checks against what the deployment can do (`check_against_decoder`, with the
 decoder's `DecoderInfo`): the output modalities it produces, whether it takes
@@ -252,6 +254,13 @@ def check_against_decoder(
             f"{field}.max_audio_seconds",
             f"{sampling_params.max_audio_seconds:g} s is above this deployment's maximum of "
             f"{limits.max_audio_seconds:g} s",
+        )
+    first = sampling_params.first_chunk_frames
+    if first and modality & OutputModality.AUDIO and limits.max_first_chunk_frames and first > limits.max_first_chunk_frames:
+        raise InvalidArgumentError(
+            f"{field}.first_chunk_frames",
+            f"{first} is above this deployment's maximum of {limits.max_first_chunk_frames} codec frames "
+            "(0 = the deployment's choice)",
         )
     if limits.max_text_tokens and sampling_params.max_tokens > limits.max_text_tokens:
         raise InvalidArgumentError(

@@ -244,6 +244,7 @@ def sampling_params() -> st.SearchStrategy[common_pb2.SamplingParams | None]:
             temperature=draw(floats32()),
             top_p=draw(floats32()),
             top_k=draw(st.one_of(st.integers(-2, 50), st.integers(-(2**31), 2**31 - 1))),
+            first_chunk_frames=draw(st.one_of(st.just(0), st.integers(0, 30), st.integers(0, 2**32 - 1))),
         )
         seed = draw(st.one_of(st.none(), st.integers(0, 1000), st.integers(0, 2**64 - 1)))
         if seed is not None:
@@ -281,6 +282,7 @@ def valid_sampling_params() -> st.SearchStrategy[common_pb2.SamplingParams | Non
             temperature=draw(st.floats(0.0, 2.0, width=32)),
             top_p=draw(st.floats(0.0, 1.0, width=32)),
             top_k=draw(st.integers(0, 100)),
+            first_chunk_frames=draw(st.integers(0, 25)),
         )
         seed = draw(st.one_of(st.none(), st.integers(0, 2**63 - 1)))
         if seed is not None:
@@ -434,6 +436,9 @@ def invalid_fields(request: object, known: tuple[str, ...]) -> set[str]:
         # the fake-engine deployment's maximum is 300 s
         if _bad_float(sp.max_audio_seconds, 0.0, 300.0):
             bad.add("sampling_params.max_audio_seconds")
+        # the tts profile's chunk of 25 frames (a deployment without audio is refused for the modality)
+        if sp.first_chunk_frames > 25:
+            bad.add("sampling_params.first_chunk_frames")
     # the tts deployment takes no instructions (blank ones are none)
     if request.instructions.strip() or len(request.instructions) > MAX_TEXT_CHARS:
         bad.add("instructions")

@@ -286,6 +286,7 @@ def test_models_list_and_get(gateway: GatewayThread) -> None:
             "default_temperature": 0.0,
             "default_top_p": 0.0,
             "default_top_k": 0,
+            "max_first_chunk_frames": 0,
         },
         "supports_instructions": False,
     }

@@ -560,7 +560,7 @@ def test_decoder_info_and_list_models(stack: Stack) -> None:
     assert (tts.supports_instructions, omni.supports_instructions) == (False, True)
     expected = common_pb2.DeploymentLimits(
         default_audio_seconds=60, max_audio_seconds=300, context_tokens=8192, audio_frames_per_second=12.5,
-        default_temperature=0.9, default_top_p=1.0, default_top_k=50)  # fmt: skip
+        default_temperature=0.9, default_top_p=1.0, default_top_k=50, max_first_chunk_frames=25)  # fmt: skip
     assert tts.limits == expected
     expected.default_text_tokens, expected.max_text_tokens = 512, 8191
     assert omni.limits == expected

@@ -212,9 +212,9 @@ def run_tts_pipeline(backend, specs, *, async_path: bool):
     codes: dict[str, list[np.ndarray]] = defaultdict(list)
     orig_frames = pipeline.code2wav.frames
 
-    def frames(rid, voice, c):
+    def frames(rid, voice, c, first=0):
         codes[rid].append(np.array(c, copy=True))
-        orig_frames(rid, voice, c)
+        orig_frames(rid, voice, c, first)
 
     pipeline.code2wav.frames = frames
     audio: dict[str, list[bytes]] = defaultdict(list)
