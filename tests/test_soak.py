@@ -112,22 +112,34 @@ def _rss_by_process(decoder: psutil.Process) -> dict[str, int]:
 
 def test_decoder_rss_growth_after_warmup_is_bounded(stack):
     """The decoder service's processes (its own and its children's, each on
-    its own) grow by at most 5% over RSS_STEPS decode steps after warm-up."""
+    its own) stop growing after warm-up: over RSS_STEPS decode steps each
+    grows by at most 5%, or, where caches are still filling, its growth has
+    levelled off (the second half of the steps adds at most 1.5%). A leak
+    grows in both halves alike and fails either way."""
     proc = _decoder_process(stack)
     start = _decoder_steps(stack)
     # the stage's engine process settles after ~400 steps here (vLLM's and
-    # the allocator's caches fill: ~680 -> ~810 MiB, then +-20 MiB)
-    warm = start + max(RSS_STEPS // 3, 600)
+    # the allocator's caches fill: ~680 -> ~810 MiB, then +-20 MiB; after
+    # the 64-stream test before this one, and on other CPUs, it may still
+    # be filling: 826 -> 861 -> 862 MiB here after 600 steps)
+    warm = start + max(RSS_STEPS // 3, 1000)
     _load(stack.gateway_target, 16, lambda: _decoder_steps(stack) >= warm, frames=32)
     rss_warm = _rss_by_process(proc)
     assert any("decoder stage talker" in name for name in rss_warm), f"no talker stage process: {list(rss_warm)}"
     assert len(rss_warm) >= 3, f"expected the decoder, its stage process and a code2wav worker: {list(rss_warm)}"
-    target = _decoder_steps(stack) + RSS_STEPS
-    done, errors = _load(stack.gateway_target, 16, lambda: _decoder_steps(stack) >= target, frames=32)
-    rss_end = _rss_by_process(proc)
+    samples, done, errors = [rss_warm], 0, []
+    for _ in range(2):
+        target = _decoder_steps(stack) + RSS_STEPS // 2
+        n, errs = _load(stack.gateway_target, 16, lambda t=target: _decoder_steps(stack) >= t, frames=32)
+        done, errors = done + n, errors + errs
+        samples.append(_rss_by_process(proc))
     assert not errors, errors[:5]
-    assert rss_end.keys() == rss_warm.keys(), f"processes changed under load: {rss_warm.keys()} -> {rss_end.keys()}"
-    growth = {name: rss_end[name] / rss_warm[name] - 1 for name in rss_warm}
-    report = {name: f"{rss_warm[name] / 2**20:.0f} -> {rss_end[name] / 2**20:.0f} MiB ({growth[name]:+.1%})"
+    rss_mid, rss_end = samples[1], samples[2]
+    assert rss_end.keys() == rss_warm.keys() == rss_mid.keys(), f"processes changed under load: {[list(x) for x in samples]}"
+    report = {name: " -> ".join(f"{x[name] / 2**20:.0f}" for x in samples)
+              + f" MiB ({rss_end[name] / rss_warm[name] - 1:+.1%}; second half {(rss_end[name] - rss_mid[name]) / rss_warm[name]:+.1%})"
               for name in rss_warm}
-    assert max(growth.values()) <= 0.05, f"RSS grew over {RSS_STEPS} steps after warm-up ({done} requests): {report}"
+    print(f"decoder RSS after warm-up, mid, end: {report}")
+    grew = [name for name in rss_warm
+            if rss_end[name] > 1.05 * rss_warm[name] and rss_end[name] - rss_mid[name] > 0.015 * rss_warm[name]]
+    assert not grew, f"RSS grew over {RSS_STEPS} steps after warm-up ({done} requests) and did not level off: {grew}; {report}"
