@@ -277,7 +277,8 @@ def test_rolling_restart_under_load_loses_no_request(tmp_path, capsys):
         print(f"\n{out}{len(results)} requests, none failed; decoder fallback steps: {fallback}")
         # The old materializer finished its steps and handed the stream over:
         # no step was built in the decoder instead.
-        assert fallback == [0, 0], f"decoder fallback steps during the restart: {fallback}"
+        switches = [line for line in up.errors().splitlines() if "building in-process" in line]
+        assert fallback == [0, 0], f"decoder fallback steps during the restart: {fallback}; why: {switches[-5:]}"
         # A second restart, by SIGHUP itself; the stack then stops clean.
         up.proc.send_signal(signal.SIGHUP)
         deadline = time.monotonic() + 240
