@@ -1,4 +1,5 @@
-"""`omni-serving bench <suite> [--quick] [--out DIR] [--slug NAME]`.
+"""`omni-serving bench <suite> [--quick] [--out DIR] [--slug NAME]`, and
+`omni-serving bench report [--check]`.
 
 Suites: step-gap, handoff, e2e, all. Each writes a results file (the raw
 numbers, settings, command line, commit and host: bench/record.py) into
@@ -7,6 +8,10 @@ folder (default bench/results/<suite>-<timestamp>/, not committed; `all`
 puts one subfolder per suite there plus summary.md with every table and the
 targets). With --out, the results file goes into the run folder too, and
 nothing into bench/results/. Progress bars go to stderr.
+
+`report` regenerates bench/RESULTS.md from the results files that
+bench/results/INDEX.yaml names (bench/report.py); `report --check` fails
+when RESULTS.md differs from what the files give.
 """
 
 from __future__ import annotations
@@ -82,6 +87,10 @@ def save_record(res, args: argparse.Namespace, argv: list[str], out: Path, wall_
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["report"]:
+        from bench.report import main as report_main
+
+        return report_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.replicas < 1:

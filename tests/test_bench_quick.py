@@ -2,19 +2,22 @@
 
 Correctness only (every mode ran and produced numbers, audio hashes agree,
 the results file / Markdown / PNG files exist, the results file holds the
-raw numbers and gives the run's own tables); never time: the figures are for people to read, on a machine whose
+raw numbers and gives the run's own tables, `bench report` renders the
+files); never time: the figures are for people to read, on a machine whose
 load nobody controls.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import re
+import shutil
 from pathlib import Path
 
 import pytest
 
-from bench import cli, e2e, handoff, record, step_gap
+from bench import cli, e2e, handoff, record, report, step_gap
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -203,3 +206,22 @@ def test_results_files_hold_the_raw_numbers_and_give_the_run_tables(results):
     top = ee["raw"]["levels"][str(max(ecfg.concurrency))]
     assert all(top[m]["probe"]["latencies_s"] for m in e2e.MODES), "the probe's calls are not in the file"
 
+
+def test_report_renders_the_results_files(results, tmp_path):
+    folder = tmp_path / "results"
+    folder.mkdir()
+    sections = []
+    for suite in MODULES:
+        path, _ = record_of(results, suite)
+        shutil.copy(path, folder / path.name)
+        sections.append({"file": path.name, "note": f"The {suite} suite.", "quick": True})
+    index = folder / "INDEX.yaml"
+    index.write_text(json.dumps({"sections": sections}))
+    output = tmp_path / "RESULTS.md"
+    text = report.generate(index, output)
+    assert text == report.generate(index, output), "two reports of the same files differ"
+    for suite in MODULES:
+        tables = report.shift_headings((results / suite / "results.md").read_text().strip(), 2)
+        assert tables in text, f"the report does not show {suite}'s tables as its run did"
+    output.write_text(text)
+    assert report.main(["--check", "--index", str(index), "--output", str(output)]) == 0
