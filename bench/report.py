@@ -14,12 +14,13 @@ RESULTS.md is generated. Its sections are the results files that the index
 Each section shows the file's command line, commit (and whether the tree
 was dirty), date and wall time, the settings, and the suite's own tables,
 computed from the file's raw numbers by the suite's `render` (the function
-the suite itself used for its run folder's results.md). Committed results
-files that the index does not name are listed at the end.
+the suite itself used for its run folder's results.md). A results file the
+index does not name is not read (a local run left in the folder changes
+nothing).
 
 Invariants:
-- The output is a pure function of the index and the files: no clock, no
-  fact of the machine that runs the report, nothing else read.
+- The output is a pure function of the index and the files it names: no
+  clock, no fact of the machine that runs the report, nothing else read.
 - Every figure comes from a file. A note that carries a figure (a number
   with a unit: "1.3x", "15 ms", "91%") is refused; so is a --quick run
   (a tooling check) unless its entry says `quick: true`.
@@ -205,12 +206,6 @@ def generate(index: Path = INDEX, output: Path = RESULTS_MD) -> str:
                 raise ReportError(f"{index}: sections[{n}]: {s.file} is a --quick run (a tooling check, not "
                                   "figures); its entry must say `quick: true` to show it")
             body.append(section_md(n, s, rec, f"{link_dir}/{s.file}"))
-    shown = {s.file for s in sections}
-    others = sorted(p.name for p in folder.iterdir() if p.is_file() and p.name.endswith(record.SUFFIXES)
-                    and p.name not in shown) if folder.is_dir() else []
-    if others:
-        body += ["## Results files not shown", "", "Committed but not named in the index:", ""]
-        body += [f"- [`{name}`]({link_dir}/{name})" for name in others] + [""]
     return "\n".join(head + body).rstrip("\n") + "\n"
 
 
