@@ -1,5 +1,4 @@
-"""`omni-serving bench <suite> [--quick] [--out DIR] [--slug NAME]`, and
-`omni-serving bench report [--check]`.
+"""`omni-serving bench <suite> [--quick] [--out DIR]`.
 
 Suites: step-gap, handoff, e2e, all. Each writes a results file (the raw
 numbers, settings, command line, commit and host: bench/record.py) into
@@ -9,9 +8,10 @@ puts one subfolder per suite there plus summary.md with every table and the
 targets). With --out, the results file goes into the run folder too, and
 nothing into bench/results/. Progress bars go to stderr.
 
-`report` regenerates bench/RESULTS.md from the results files that
-bench/results/INDEX.yaml names (bench/report.py); `report --check` fails
-when RESULTS.md differs from what the files give.
+`--slug NAME` names the results file. `omni-serving bench report [--check]`
+regenerates bench/RESULTS.md from the results files that
+bench/results/INDEX.yaml names (bench/report.py); `--check` fails when
+RESULTS.md differs from what the files give.
 """
 
 from __future__ import annotations
@@ -82,6 +82,9 @@ def save_record(res, args: argparse.Namespace, argv: list[str], out: Path, wall_
     """Writes a suite's results file: into bench/results/, or the run folder with --out."""
     from bench import record
 
+    if res.record is None:  # every suite writes one: docs/benchmarks.md, "A new suite"
+        raise RuntimeError(f"{res.suite}: the suite returned no results file record (bench.record.begin / "
+                           "complete, and SuiteResult.record): docs/benchmarks.md, 'Results files'")
     return record.save(res.record, out if args.out else record.RESULTS_DIR, slug=args.slug, argv=argv, wall_s=wall_s)
 
 

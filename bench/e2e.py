@@ -595,12 +595,12 @@ def hash_line(h: dict[str, Any], digits: int) -> str:
 
 def run_omni(cfg: E2EConfig, model_dir: str) -> dict[str, Any]:
     """The omni profile in every mode, one stack at a time: warm-up, then the
-    top concurrency level through Generate ("text+audio"). Raw: per mode the
-    requests, CPU snapshots, decoder info, shared memory left."""
+    top concurrency level through Generate ("text+audio")."""
     from omni_cli.launcher import Stack
 
     c = max(cfg.concurrency)
     n = cfg.prompts[c]
+    # raw, per mode: the requests, CPU snapshots, decoder info, shared memory left (omni_analysis reads it)
     result: dict[str, Any] = {"concurrency": c, "requests": n, "text_tokens": cfg.omni_text_tokens,
                               "audio_frames": cfg.omni_audio_frames, "modes": {}}
     for mode in MODES:

@@ -212,3 +212,13 @@ def test_large_records_are_gzipped_deterministically(run_folder: Path, tmp_path:
 def test_shift_headings_moves_only_headings():
     md = "# e2e\n\ntext with # inside\n## Memory\n| a | b |"
     assert report.shift_headings(md, 2) == "### e2e\n\ntext with # inside\n#### Memory\n| a | b |"
+
+
+def test_a_suite_that_returns_no_record_is_refused_by_name(tmp_path: Path):
+    from bench import cli
+    from bench.common import SuiteResult
+
+    args = cli.build_parser().parse_args(["handoff", "--out", str(tmp_path)])
+    with pytest.raises(RuntimeError, match="new-suite: the suite returned no results file record"):
+        cli.save_record(SuiteResult("new-suite", tmp_path, {}), args, ["handoff"], tmp_path, 1.0)
+    assert not list(tmp_path.iterdir()), "a file was written for a suite without a record"
