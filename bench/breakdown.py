@@ -24,8 +24,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import engines, step_gap
-from bench.common import SuiteResult, log, machine_info, machine_md, md_table, progress, write_json
+from bench import engines, record, step_gap
+from bench.common import SuiteResult, log, machine_md, md_table, progress, summary
 
 STAGE_THREAD = "stage-talker"
 
@@ -123,13 +123,15 @@ def run(quick: bool, engine: str, batch: int, out_dir: Path) -> SuiteResult:
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg = step_gap.StepGapConfig.for_run(quick, engine)
     steps = 12 if quick else 40
+    rec = record.begin("breakdown", quick=quick,
+                       settings={"engine": engine, "batch": batch, "steps": steps, "step_gap": dataclasses.asdict(cfg)})
     deployment = f"brk{os.getpid()}"
     prefix = f"omni-{deployment}"
     sweep_stale(prefix)
     inner, engine_name, why = step_gap._build_engine(cfg)
     backend = engines.MeasuredBackend(inner)
     materializer = step_gap.MaterializerProcess(deployment).start()
-    rows: list[dict[str, Any]] = []
+    modes: list[dict[str, Any]] = []
     try:
         step_gap._warm_engine(backend, engine_name, batch, cfg.warmup + 4)
         with progress(len(step_gap.MODES), "breakdown", "mode") as bar:
@@ -138,42 +140,60 @@ def run(quick: bool, engine: str, batch: int, out_dir: Path) -> SuiteResult:
                 cpu: dict[str, Any] = {}
 
                 def probe(when: str, _cpu=cpu) -> None:  # noqa: ANN001
-                    key = "0" if when == "running" else "1"
-                    _cpu["t" + key], _cpu["m" + key] = thread_cpu(), proc_cpu(materializer.pid)
+                    key = "before" if when == "running" else "after"
+                    _cpu[key] = {"threads_s": thread_cpu(), "materializer_s": proc_cpu(materializer.pid)}
 
                 with instrumented(counters):
                     r = step_gap.run_one(backend, engine_name, "heavy", mode, batch, warmup=cfg.warmup, steps=steps,
                                          materializer=materializer, prefix=prefix, round_no=0, probe=probe)
-                n_steps = max(1, len(backend.records))
-                groups = sorted(set(cpu["t0"]) | set(cpu["t1"]))
-                cpu_ms = {g: (cpu["t1"].get(g, 0) - cpu["t0"].get(g, 0)) / n_steps * 1e3 for g in groups}
-                cpu_ms["materializer process"] = (cpu["m1"] - cpu["m0"]) / n_steps * 1e3 if mode.startswith("remote") else 0.0
-                gaps = sorted(r["gaps_s"])
-                rows.append({
-                    "mode": mode, "steps_total": n_steps,
-                    "gap_p50_us": gaps[len(gaps) // 2] * 1e6 if gaps else float("nan"),
-                    "step_p50_ms": sorted(r["step_s"])[len(r["step_s"]) // 2] * 1e3 if r["step_s"] else float("nan"),
-                    "per_step_us": {k: v / n_steps * 1e6 for k, v in counters.total.items()},
-                    "calls_per_step": {k: v / n_steps for k, v in counters.calls.items()},
-                    "cpu_ms_per_step": cpu_ms,
+                modes.append({
+                    "mode": mode, "steps_total": len(backend.records), "gaps_s": r["gaps_s"], "step_s": r["step_s"],
+                    "time_s": dict(counters.total), "calls": dict(counters.calls), "cpu": cpu,
                 })
                 bar.update(1)
     finally:
         materializer.stop()
         backend.really_close()
         sweep_stale(prefix)
-    data = {"suite": "breakdown", "quick": quick, "engine": engine_name, "engine_note": why, "batch": batch,
-            "machine": machine_info(), "results": rows}
-    write_json(out_dir / "results.json", data)
+    rec = record.complete(rec, {"engine": engine_name, "engine_note": why, "modes": modes})
+    data = analyze(rec)
     md = markdown(data)
     (out_dir / "results.md").write_text(md)
     log(f"breakdown written to {out_dir}")
-    return SuiteResult("breakdown", out_dir, data, [], md)
+    return SuiteResult("breakdown", out_dir, data, [], md, rec)
+
+
+def analyze(rec: dict[str, Any]) -> dict[str, Any]:
+    """Per mode: time and calls per step in each function, gap and step p50,
+    CPU per step by thread group, from a results file's record."""
+    raw = rec["raw"]
+    rows = []
+    for m in raw["modes"]:
+        n_steps = max(1, m["steps_total"])
+        before, after = m["cpu"]["before"], m["cpu"]["after"]
+        groups = sorted(set(before["threads_s"]) | set(after["threads_s"]))
+        cpu_ms = {g: (after["threads_s"].get(g, 0) - before["threads_s"].get(g, 0)) / n_steps * 1e3 for g in groups}
+        cpu_ms["materializer process"] = ((after["materializer_s"] - before["materializer_s"]) / n_steps * 1e3
+                                          if m["mode"].startswith("remote") else 0.0)
+        rows.append({
+            "mode": m["mode"], "steps_total": n_steps,
+            "gap_p50_us": summary(m["gaps_s"], 1e6)["p50"], "step_p50_ms": summary(m["step_s"], 1e3)["p50"],
+            "per_step_us": {k: v / n_steps * 1e6 for k, v in m["time_s"].items()},
+            "calls_per_step": {k: v / n_steps for k, v in m["calls"].items()},
+            "cpu_ms_per_step": cpu_ms,
+        })
+    return {"suite": "breakdown", "quick": rec["quick"], "engine": raw["engine"], "engine_note": raw["engine_note"],
+            "batch": rec["settings"]["batch"], "machine": rec["host"], "date": rec["date"], "results": rows}
+
+
+def render(rec: dict[str, Any]) -> str:
+    """The suite's tables from a results file (what `bench report` shows)."""
+    return markdown(analyze(rec))
 
 
 def markdown(data: dict[str, Any]) -> str:
     rows = data["results"]
-    lines = [f"# breakdown (heavy payload, batch {data['batch']})", "", machine_md(data["machine"]), "",
+    lines = [f"# breakdown (heavy payload, batch {data['batch']})", "", machine_md(data["machine"], data["date"]), "",
              f"Engine: {data['engine_note']}.", "",
              "Time per decode step spent in each function on the stage thread (us, mean over all steps of the run, "
              "prefill included; nested calls are counted in their callers too).", ""]
@@ -191,4 +211,4 @@ def markdown(data: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["run", "dataclasses"]
+__all__ = ["run", "analyze", "render"]

@@ -1,10 +1,17 @@
 """`omni-serving bench <suite> [--quick] [--out DIR]`.
 
-Suites: step-gap, handoff, e2e, all. Each writes results.json, results.md
-and PNG plots into its results folder (default
-bench/results/<suite>-<timestamp>/; `all` puts one subfolder per suite
-there plus summary.md with every table and the targets). Progress bars go
-to stderr.
+Suites: step-gap, handoff, e2e, all. Each writes a results file (the raw
+numbers, settings, command line, commit and host: bench/record.py) into
+bench/results/ (to be committed), and results.md and PNG plots into its run
+folder (default bench/results/<suite>-<timestamp>/, not committed; `all`
+puts one subfolder per suite there plus summary.md with every table and the
+targets). With --out, the results file goes into the run folder too, and
+nothing into bench/results/. Progress bars go to stderr.
+
+`--slug NAME` names the results file. `omni-serving bench report [--check]`
+regenerates bench/RESULTS.md from the results files that
+bench/results/INDEX.yaml names (bench/report.py); `--check` fails when
+RESULTS.md differs from what the files give.
 """
 
 from __future__ import annotations
@@ -25,7 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="which benchmark to run (breakdown: a diagnostic of the critical path, not part of all)")
     p.add_argument("--quick", action="store_true",
                    help="tiny sizes for CI (batch 1 and 4, payloads up to 1 MiB, concurrency 1 and 4, fake engine)")
-    p.add_argument("--out", default="", help="results folder (default bench/results/<suite>-<timestamp>/)")
+    p.add_argument("--out", default="", help="run folder (default bench/results/<suite>-<timestamp>/); "
+                                             "the results file goes there too instead of bench/results/")
+    p.add_argument("--slug", default="", help="names the results file: <date>-<suite>-<slug>.json "
+                                              "(default: quick or full)")
     p.add_argument("--engine", choices=("auto", "vllm", "fake"), default="auto",
                    help="AR engine for step-gap and e2e (auto: vllm for full runs, fake for --quick)")
     p.add_argument("--model-dir", default="",
@@ -68,7 +78,22 @@ def run_suite(name: str, args: argparse.Namespace, out_dir: Path):
     raise ValueError(name)
 
 
+def save_record(res, args: argparse.Namespace, argv: list[str], out: Path, wall_s: float) -> Path:  # noqa: ANN001
+    """Writes a suite's results file: into bench/results/, or the run folder with --out."""
+    from bench import record
+
+    if res.record is None:  # every suite writes one: docs/benchmarks.md, "A new suite"
+        raise RuntimeError(f"{res.suite}: the suite returned no results file record (bench.record.begin / "
+                           "complete, and SuiteResult.record): docs/benchmarks.md, 'Results files'")
+    return record.save(res.record, out if args.out else record.RESULTS_DIR, slug=args.slug, argv=argv, wall_s=wall_s)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["report"]:
+        from bench.report import main as report_main
+
+        return report_main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.replicas < 1:
@@ -89,17 +114,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.suite != "all":
         out = results_dir(args.suite, args.out or None)
         res = run_suite(args.suite, args, out)
+        saved = save_record(res, args, argv, out, time.perf_counter() - t0)
         log(f"{args.suite}: done in {time.perf_counter() - t0:.0f}s; results in {out}")
         print(targets_md(res.targets))
-        print(f"\nresults: {out}")
+        print(f"\nresults: {out}\nresults file: {saved}")
         return 0
     root = Path(args.out) if args.out else RESULTS_ROOT / f"all-{timestamp()}"
     root.mkdir(parents=True, exist_ok=True)
     parts, targets = [], []
     for name in SUITES:
         t = time.perf_counter()
-        res = run_suite(name, args, results_dir(name, str(root / name)))
-        log(f"{name}: done in {time.perf_counter() - t:.0f}s")
+        out = results_dir(name, str(root / name))
+        res = run_suite(name, args, out)
+        saved = save_record(res, args, argv, out, time.perf_counter() - t)
+        log(f"{name}: done in {time.perf_counter() - t:.0f}s; results file {saved}")
         parts.append(res.markdown)
         targets += res.targets
     summary = ["# omni-serving benchmarks" + (" (quick)" if args.quick else ""), "",

@@ -1,6 +1,6 @@
 """code2wav-stream: stateful streaming vs left-context re-decode of Qwen3-Omni Code2Wav.
 
-    python -m bench.code2wav_stream [--frames 200] [--chunk 25] [--out DIR] [--released-size]
+    python -m bench.code2wav_stream [--frames 200] [--chunk 25] [--out DIR] [--slug NAME] [--released-size]
 
 One seeded random-weight Code2Wav (``decoder_svc.qwen3_omni.code2wav``) decodes
 the same random codes three ways, and each way's audio is compared with the
@@ -18,20 +18,25 @@ The default model is tiny (2 layers, hidden 128, decoder_dim 96: the test
 suite's shape); ``--released-size`` uses the released widths (8 layers, hidden
 1024, decoder_dim 1536), which is slow on a CPU. Times are wall-clock on
 whatever else the machine is doing: read them as ratios.
+
+The run writes a results file (bench/record.py: every timed pass and chunk,
+the errors, the model's shape) into bench/results/ or ``--out``; the table
+is computed from it by ``analyze`` (the same code ``bench report`` uses).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
-import os
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from bench.common import fmt, machine_info, machine_md, md_table, write_json
+from bench import record
+from bench.common import fmt, machine_md, md_table, ratio, summary
 from decoder_svc.qwen3_omni.code2wav import (
     Code2Wav,
     Code2WavConfig,
@@ -62,12 +67,14 @@ def _max_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).abs().max())
 
 
-def _time_ms(fn, repeats: int) -> float:
-    """Mean wall time of fn() over repeats, in ms."""
-    t0 = time.perf_counter()
+def _times_ms(fn, repeats: int) -> list[float]:
+    """Wall time of each of `repeats` calls of fn(), in ms."""
+    out = []
     for _ in range(repeats):
+        t0 = time.perf_counter()
         fn()
-    return (time.perf_counter() - t0) * 1e3 / repeats
+        out.append((time.perf_counter() - t0) * 1e3)
+    return out
 
 
 def run(
@@ -78,6 +85,10 @@ def run(
     repeats: int = 3,
     left_contexts: tuple[int, ...] = LEFT_CONTEXTS,
 ) -> dict[str, Any]:
+    """Measures and returns the completed record (bench/record.py)."""
+    settings = {"frames": frames, "chunk_frames": chunk, "model": "released-size" if released_size else "tiny",
+                "seed": seed, "repeats": repeats, "left_contexts": list(left_contexts)}
+    rec = record.begin("code2wav-stream", quick=False, settings=settings)
     config = dict(RELEASED_CONFIG if released_size else TINY_CONFIG)
     model = Code2Wav.from_config_and_tensors(config, random_tensors(config, seed=seed))
     codes = torch.randint(
@@ -86,16 +97,11 @@ def run(
         (frames, model.num_quantizers),
         generator=torch.Generator().manual_seed(seed),
     )
-    spf, chunk_audio_ms = (
-        model.samples_per_frame,
-        chunk * model.samples_per_frame / model.sample_rate * 1e3,
-    )
-    n_chunks = -(-frames // chunk)
 
     # Every method runs once untimed first: the first call of each input shape
     # pays for kernel setup (a fresh re-decode window length costs up to ~10x).
     whole = model.decode(codes)
-    whole_ms = _time_ms(lambda: model.decode(codes), repeats)
+    whole_ms = _times_ms(lambda: model.decode(codes), repeats)
 
     def stream_pass(times: list[float] | None) -> torch.Tensor:
         stream = model.new_stream()
@@ -109,61 +115,66 @@ def run(
 
     stream_pass(None)
     stream_ms: list[float] = []
-    stream_err = max(_max_err(stream_pass(stream_ms), whole) for _ in range(repeats))
-    stream_mean = sum(stream_ms) / len(stream_ms)
+    stream_err = [_max_err(stream_pass(stream_ms), whole) for _ in range(repeats)]
 
-    min_context = -(-model.tail_samples // spf)
     redecode = []
     for left in left_contexts:
         err = _max_err(decode_with_left_context(model, codes, chunk, left), whole)
         redo = functools.partial(decode_with_left_context, model, codes, chunk, left)
-        mean_ms = _time_ms(redo, repeats) / n_chunks
-        effective = max(left, min_context)
-        decoded = sum(
-            min(s + chunk, frames) - s + min(effective, s) for s in range(0, frames, chunk)
-        )
-        redecode.append(
-            {
-                "left_context": left,
-                "effective_left_context": effective,
-                "max_abs_err": err,
-                "mean_ms_per_chunk": mean_ms,
-                "frames_decoded_per_chunk": decoded / n_chunks,
-                "cost_vs_stream": mean_ms / stream_mean,
-            }
-        )
+        redecode.append({"left_context": left, "max_abs_err": err, "pass_ms": _times_ms(redo, repeats)})
 
     cfg = Code2WavConfig.from_dict(config)
-    load = [round(x, 2) for x in os.getloadavg()] if hasattr(os, "getloadavg") else None
-    return {
-        "suite": "code2wav-stream",
-        "model": "released-size" if released_size else "tiny",
-        "config": {
+    return record.complete(rec, {
+        "model_config": {
             "num_hidden_layers": cfg.num_hidden_layers,
             "hidden_size": cfg.hidden_size,
             "decoder_dim": cfg.decoder_dim,
             "sliding_window": cfg.sliding_window,
-            "samples_per_frame": spf,
+            "samples_per_frame": model.samples_per_frame,
+            "sample_rate": model.sample_rate,
             "tail_samples": model.tail_samples,
         },
-        "frames": frames,
-        "chunk_frames": chunk,
-        "chunk_audio_ms": chunk_audio_ms,
-        "repeats": repeats,
-        "seed": seed,
         "threads": torch.get_num_threads(),
-        "load_average": load,
         "whole_decode_ms": whole_ms,
         "whole_rms": float(whole.pow(2).mean().sqrt()),
-        "stream": {
-            "max_abs_err": stream_err,
-            "mean_ms_per_chunk": stream_mean,
-            "max_ms_per_chunk": max(stream_ms),
-            "frames_decoded_per_chunk": frames / n_chunks,
-        },
+        "stream": {"chunk_ms": stream_ms, "max_abs_err": stream_err},
         "left_context": redecode,
-        "machine": machine_info(),
+    })
+
+
+def analyze(rec: dict[str, Any]) -> dict[str, Any]:
+    """The table's numbers from a results file's record: per method the
+    frames decoded per chunk, the error against the whole decode, the mean
+    time per chunk and its cost against the stateful stream."""
+    raw, settings = rec["raw"], rec["settings"]
+    c = raw["model_config"]
+    frames, chunk = settings["frames"], settings["chunk_frames"]
+    n_chunks = -(-frames // chunk)
+    min_context = -(-c["tail_samples"] // c["samples_per_frame"])
+    stream_mean = summary(raw["stream"]["chunk_ms"])["mean"]
+    left = []
+    for r in raw["left_context"]:
+        mean_ms = summary(r["pass_ms"])["mean"] / n_chunks
+        effective = max(r["left_context"], min_context)
+        decoded = sum(min(s + chunk, frames) - s + min(effective, s) for s in range(0, frames, chunk))
+        left.append({"left_context": r["left_context"], "effective_left_context": effective,
+                     "max_abs_err": r["max_abs_err"], "mean_ms_per_chunk": mean_ms,
+                     "frames_decoded_per_chunk": decoded / n_chunks, "cost_vs_stream": ratio(mean_ms, stream_mean)})
+    return {
+        "suite": "code2wav-stream", "model": settings["model"], "config": c, "frames": frames, "chunk_frames": chunk,
+        "chunk_audio_ms": chunk * c["samples_per_frame"] / c["sample_rate"] * 1e3, "threads": raw["threads"],
+        "load_average": rec["run"]["load_average_end"], "whole_decode_ms": summary(raw["whole_decode_ms"])["mean"],
+        "whole_rms": raw["whole_rms"],
+        "stream": {"max_abs_err": max(raw["stream"]["max_abs_err"]), "mean_ms_per_chunk": stream_mean,
+                   "max_ms_per_chunk": summary(raw["stream"]["chunk_ms"])["max"],
+                   "frames_decoded_per_chunk": frames / n_chunks},
+        "left_context": left, "machine": rec["host"], "date": rec["date"],
     }
+
+
+def render(rec: dict[str, Any]) -> str:
+    """The table from a results file (what `bench report` shows)."""
+    return markdown(analyze(rec))
 
 
 def markdown(res: dict[str, Any]) -> str:
@@ -212,7 +223,7 @@ def markdown(res: dict[str, Any]) -> str:
         ],
         rows,
     )
-    return f"{head}\n\n{table}\n\n{machine_md(res['machine'])}\n"
+    return f"{head}\n\n{table}\n\n{machine_md(res['machine'], res['date'])}\n"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -238,21 +249,28 @@ def main(argv: list[str] | None = None) -> int:
         help="comma-separated left contexts in frames",
     )
     parser.add_argument("--released-size", action="store_true", help="8 layers, hidden 1024 (slow)")
-    parser.add_argument("--out", default=None, help="folder for results.json and results.md")
+    parser.add_argument(
+        "--out",
+        default=None,
+        help="folder for the results file and results.md (default: the results file in bench/results/)",
+    )
+    parser.add_argument("--slug", default="", help="names the results file (default: full)")
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    res = run(
+    t0 = time.perf_counter()
+    rec = run(
         args.frames, args.chunk, args.released_size, args.seed, args.repeats, args.left_contexts
     )
-    md = markdown(res)
+    md = render(rec)
     print(md)
+    folder = Path(args.out) if args.out else record.RESULTS_DIR
+    path = record.save(rec, folder, slug=args.slug, argv=argv, program="python -m bench.code2wav_stream",
+                       wall_s=time.perf_counter() - t0)
     if args.out:
-        out = Path(args.out)
-        out.mkdir(parents=True, exist_ok=True)
-        write_json(out / "results.json", res)
-        (out / "results.md").write_text(md)
-        print(f"wrote {out / 'results.json'}")
+        (folder / "results.md").write_text(md)
+    print(f"results file: {path}")
     return 0
 
 

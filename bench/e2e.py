@@ -40,7 +40,6 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import hashlib
-import math
 import os
 import signal
 import threading
@@ -48,24 +47,25 @@ import time
 from pathlib import Path
 from typing import Any
 
+from bench import record
 from bench.common import (
     RssSampler,
     SuiteResult,
     check,
+    finite,
     fmt,
     growth_report,
     log,
-    machine_info,
     machine_md,
     md_table,
     plot_memory,
     progress,
     pyplot,
     ratio,
+    rss_peak,
     summary,
     targets_json,
     targets_md,
-    write_json,
 )
 
 MODES = ("async", "sync", "thread")
@@ -297,9 +297,14 @@ class InfoProbe:
         self._thread.join(timeout=15)
         self.channel.close()
 
-    def result(self) -> dict[str, Any]:
-        return {"latency_ms": summary(self.latencies_s, 1e3), "errors": self.errors,
-                "interval_ms": self.interval_s * 1e3}
+    def raw(self) -> dict[str, Any]:
+        return {"latencies_s": list(self.latencies_s), "errors": self.errors, "interval_s": self.interval_s}
+
+
+def probe_summary(raw: dict[str, Any]) -> dict[str, Any]:
+    """A probe's table row, from its raw latencies (`InfoProbe.raw`)."""
+    return {"latency_ms": summary(raw["latencies_s"], 1e3), "errors": raw["errors"],
+            "interval_ms": raw["interval_s"] * 1e3}
 
 
 def stack_config(mode: str, cfg: E2EConfig, model_dir: str, profile: str = "tts") -> Any:
@@ -355,8 +360,11 @@ def cpu_snapshot(stack: Any) -> dict[str, float]:
     return out
 
 
-def cpu_report(a: dict[str, float], b: dict[str, float], wall_s: float, requests: int) -> dict[str, Any]:
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+def cpu_report(cpu: dict[str, Any], requests: int, cores: int) -> dict[str, Any]:
+    """CPU per request and per process, from two `cpu_snapshot`s (`before`,
+    `after`) taken `wall_s` apart around `requests` requests, on a host with
+    `cores` cores (the results file's host, not this machine)."""
+    a, b, wall_s = cpu["before"], cpu["after"], cpu["wall_s"]
     per_request_ms = {k: (b[k] - a[k]) / requests * 1e3 for k in a if k != "host busy" and k in b}
     by_role: dict[str, float] = {}  # decoder-r0 + decoder-r1 -> decoder
     for k, v in per_request_ms.items():
@@ -406,6 +414,7 @@ def run(cfg: E2EConfig, out_dir: Path) -> SuiteResult:
     out_dir.mkdir(parents=True, exist_ok=True)
     from omni_cli.launcher import Stack
 
+    rec = record.begin("e2e", quick=cfg.quick, settings=dataclasses.asdict(cfg))
     note = ""
     if cfg.engine == "vllm":
         import importlib.util
@@ -418,12 +427,10 @@ def run(cfg: E2EConfig, out_dir: Path) -> SuiteResult:
     sampler = RssSampler().start()
     stacks: dict[str, Any] = {}
     clients: dict[str, Client] = {}
-    levels: dict[int, dict[str, Any]] = {}
+    levels: dict[str, dict[str, Any]] = {}
     infos: dict[str, Any] = {}
-    probes: dict[str, Any] = {}
-    failover_result: dict[str, Any] | None = None
+    failover_raw: dict[str, Any] | None = None
     leftovers: dict[str, list[str]] = {}
-    windows: dict[str, dict[str, int]] = {}
     top = max(cfg.concurrency)
     try:
         with progress(len(MODES), "e2e: starting stacks", "stack") as bar:
@@ -444,7 +451,7 @@ def run(cfg: E2EConfig, out_dir: Path) -> SuiteResult:
         for k, c in enumerate(cfg.concurrency):
             n = cfg.prompts[c]
             order = MODES[k % len(MODES):] + MODES[: k % len(MODES)]  # each level starts elsewhere
-            levels[c] = {}
+            levels[str(c)] = {}
             for mode in order:
                 with progress(n, f"e2e: {mode} c={c}", "req") as bar:
                     probe = InfoProbe(stacks[mode].decoder_target, cfg.probe_interval_s) if c == top else None
@@ -454,13 +461,8 @@ def run(cfg: E2EConfig, out_dir: Path) -> SuiteResult:
                         reqs = clients[mode].run_level(list(range(n)), c, cfg.max_tokens, f"c{c}-{mode}", bar)
                     t1 = sampler.now()
                     cpu1 = cpu_snapshot(stacks[mode])
-                if probe is not None:
-                    probes[mode] = probe.result()
-                summ = level_summary(reqs)
-                summ["cpu"] = cpu_report(cpu0, cpu1, t1 - t0, n)
-                levels[c][mode] = {"summary": summ, "requests": reqs}
-                windows[f"c{c}/{mode}"] = {name: sampler.peak_between(name, t0, t1) for name in sampler.timeline
-                                           if name.startswith(mode + "/")}
+                levels[str(c)][mode] = {"requests": reqs, "cpu": {"before": cpu0, "after": cpu1, "wall_s": t1 - t0},
+                                        "window_s": [t0, t1], "probe": probe.raw() if probe is not None else None}
         time.sleep(0.5)
         sampler.mark("end")
         for mode in MODES:
@@ -471,7 +473,7 @@ def run(cfg: E2EConfig, out_dir: Path) -> SuiteResult:
         if cfg.failover:
             for svc in stacks["async"].services:
                 sampler.remove(f"async/{svc.name}")
-            failover_result = failover(stacks["async"], cfg)
+            failover_raw = failover(stacks["async"], cfg)
     finally:
         for c in clients.values():
             c.close()
@@ -481,38 +483,63 @@ def run(cfg: E2EConfig, out_dir: Path) -> SuiteResult:
             leftovers[mode] = s.stop()
         sampler.stop()
     omni = run_omni(cfg, model_dir) if cfg.omni else None
-    hashes = compare_hashes({c: {m: lv[m]["requests"] for m in MODES} for c, lv in levels.items()})
-    idle = sampler.marks.get("after_warmup", {}).get("async/materializer")
-    mat_peak_top = windows.get(f"c{top}/async", {}).get("async/materializer")
-    memory = {
-        "processes": growth_report(sampler),
-        "materializer_idle_mib": idle / 2**20 if idle else None,
-        "materializer_peak_at_top_mib": mat_peak_top / 2**20 if mat_peak_top else None,
-        "peaks_per_level_mib": {k: {n: v / 2**20 for n, v in w.items()} for k, w in windows.items()},
-        "arena": {m: infos[m]["arena"] for m in infos},
-        "shm_segments_left_after_stop": leftovers,
-    }
-    level_data = {str(c): {m: lv[m]["summary"] for m in MODES} for c, lv in levels.items()}
-    targets = e2e_targets(level_data, hashes, memory, top, probes, omni)
-    data = {
-        "suite": "e2e", "quick": cfg.quick, "engine": cfg.engine, "engine_note": note, "model_dir": model_dir,
-        "config": dataclasses.asdict(cfg), "machine": machine_info(),
-        "levels": level_data,
-        "requests": {str(c): {m: lv[m]["requests"] for m in MODES} for c, lv in levels.items()},
-        "hashes": hashes, "decoder_info": infos, "info_probe": {"concurrency": top, **probes},
-        "omni": omni, "memory": memory, "targets": targets_json(targets),
-        "replicas": cfg.replicas, "failover": failover_result,
-    }
-    write_json(out_dir / "results.json", data)
-    all_hashes = hashes + (omni["hashes"] if omni else [])
+    rec = record.complete(rec, {
+        "engine": cfg.engine, "engine_note": note, "model_dir": model_dir, "levels": levels,
+        "decoder_info": infos, "memory": sampler.raw(), "shm_segments_left_after_stop": leftovers,
+        "omni": omni, "failover": failover_raw,
+    })
+    data, targets = analyze(rec)
+    all_hashes = data["hashes"] + (data["omni"]["hashes"] if data["omni"] else [])
     (out_dir / "hashes.txt").write_text("".join(hash_line(h, 64) + "\n" for h in all_hashes))
     for h in all_hashes:
         print("sha256 " + hash_line(h, 16), flush=True)
     plot(data, out_dir)
-    plot_memory(sampler, out_dir / "memory.png", "e2e: RSS per service")
+    plot_memory(rec["raw"]["memory"], out_dir / "memory.png", "e2e: RSS per service")
     md = markdown(data, targets)
     (out_dir / "results.md").write_text(md)
-    return SuiteResult("e2e", out_dir, data, targets, md)
+    return SuiteResult("e2e", out_dir, data, targets, md, rec)
+
+
+def analyze(rec: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
+    """The tables' numbers and the targets, from a results file's record:
+    per level and stack the request summaries, CPU, probe; the hashes
+    compared across the stacks; memory; the omni variant; failover."""
+    raw, settings, cores = rec["raw"], rec["settings"], rec["host"]["cores_available"]
+    levels = {c: {m: {**level_summary(lv[m]["requests"]), "cpu": cpu_report(lv[m]["cpu"], len(lv[m]["requests"]), cores)}
+                  for m in MODES} for c, lv in raw["levels"].items()}
+    top = str(max(int(c) for c in raw["levels"])) if raw["levels"] else ""
+    probes = {m: probe_summary(lv["probe"]) for m, lv in raw["levels"].get(top, {}).items() if lv["probe"]}
+    hashes = compare_hashes({c: {m: lv[m]["requests"] for m in MODES} for c, lv in raw["levels"].items()})
+    mem = raw["memory"]
+    idle = (mem["marks"].get("after_warmup") or {}).get("rss_kib", {}).get("async/materializer")
+    peaks = {f"c{c}/{m}": {n: rss_peak(mem, n, *lv[m]["window_s"]) for n in mem["timeline"] if n.startswith(m + "/")}
+             for c, lv in raw["levels"].items() for m in MODES}
+    mat_peak_top = peaks.get(f"c{top}/async", {}).get("async/materializer")
+    memory = {
+        "processes": growth_report(mem),
+        "materializer_idle_mib": idle / 1024 if idle else None,
+        "materializer_peak_at_top_mib": mat_peak_top / 2**20 if mat_peak_top else None,
+        "peaks_per_level_mib": {k: {n: v / 2**20 for n, v in w.items()} for k, w in peaks.items()},
+        "arena": {m: i["arena"] for m, i in raw["decoder_info"].items()},
+        "shm_segments_left_after_stop": raw["shm_segments_left_after_stop"],
+    }
+    omni = omni_analysis(raw["omni"], cores) if raw["omni"] else None
+    targets = e2e_targets(levels, hashes, memory, int(top) if top else 0, probes, omni)
+    data = {
+        "suite": "e2e", "quick": rec["quick"], "engine": raw["engine"], "engine_note": raw["engine_note"],
+        "model_dir": raw["model_dir"], "config": settings, "machine": rec["host"], "date": rec["date"],
+        "levels": levels, "requests": {c: {m: lv[m]["requests"] for m in MODES} for c, lv in raw["levels"].items()},
+        "hashes": hashes, "decoder_info": raw["decoder_info"], "info_probe": {"concurrency": int(top) if top else None,
+                                                                              **probes},
+        "omni": omni, "memory": memory, "targets": targets_json(targets),
+        "replicas": settings["replicas"], "failover": failover_summary(raw["failover"]) if raw["failover"] else None,
+    }
+    return data, targets
+
+
+def render(rec: dict[str, Any]) -> str:
+    """The suite's tables from a results file (what `bench report` shows)."""
+    return markdown(*analyze(rec))
 
 
 def compare_hashes(by_level: dict[Any, dict[str, list[dict[str, Any]]]], profile: str = "tts") -> list[dict[str, Any]]:
@@ -573,13 +600,13 @@ def run_omni(cfg: E2EConfig, model_dir: str) -> dict[str, Any]:
 
     c = max(cfg.concurrency)
     n = cfg.prompts[c]
-    per_mode: dict[str, list[dict[str, Any]]] = {}
+    # raw, per mode: the requests, CPU snapshots, decoder info, shared memory left (omni_analysis reads it)
     result: dict[str, Any] = {"concurrency": c, "requests": n, "text_tokens": cfg.omni_text_tokens,
-                              "audio_frames": cfg.omni_audio_frames, "modes": {}, "decoder_info": {},
-                              "shm_segments_left_after_stop": {}}
+                              "audio_frames": cfg.omni_audio_frames, "modes": {}}
     for mode in MODES:
         stack = Stack(stack_config(mode, cfg, model_dir, profile="omni"))
         client = None
+        got: dict[str, Any] = result["modes"].setdefault(mode, {})
         try:
             with progress(None, f"e2e omni: starting {mode}", "stack"):
                 stack.start(timeout_s=300)
@@ -592,26 +619,40 @@ def run_omni(cfg: E2EConfig, model_dir: str) -> dict[str, Any]:
                                         call="generate")
                 wall = time.perf_counter() - t0
                 cpu1 = cpu_snapshot(stack)
-            per_mode[mode] = reqs
-            result["decoder_info"][mode] = decoder_info(stack.decoder_target)
-            result["modes"][mode] = {**omni_summary(reqs), "cpu": cpu_report(cpu0, cpu1, wall, n)}
+            got["requests"] = reqs
+            got["cpu"] = {"before": cpu0, "after": cpu1, "wall_s": wall}
+            got["decoder_info"] = decoder_info(stack.decoder_target)
         finally:
             if client is not None:
                 client.close()
-            result["shm_segments_left_after_stop"][mode] = stack.stop()
-    result["per_request"] = per_mode
-    result["hashes"] = compare_hashes({c: per_mode}, profile="omni")
+            got["shm_segments_left_after_stop"] = stack.stop()
     return result
 
 
+def omni_analysis(raw: dict[str, Any], cores: int) -> dict[str, Any]:
+    """The omni variant's tables, from its raw form (`run_omni`)."""
+    modes = raw["modes"]
+    per_mode = {m: o["requests"] for m, o in modes.items()}
+    return {
+        "concurrency": raw["concurrency"], "requests": raw["requests"], "text_tokens": raw["text_tokens"],
+        "audio_frames": raw["audio_frames"],
+        "modes": {m: {**omni_summary(o["requests"]), "cpu": cpu_report(o["cpu"], len(o["requests"]), cores)}
+                  for m, o in modes.items()},
+        "decoder_info": {m: o["decoder_info"] for m, o in modes.items()},
+        "shm_segments_left_after_stop": {m: o["shm_segments_left_after_stop"] for m, o in modes.items()},
+        "per_request": per_mode,
+        "hashes": compare_hashes({raw["concurrency"]: per_mode}, profile="omni"),
+    }
+
+
 def omni_summary(reqs: list[dict[str, Any]]) -> dict[str, Any]:
-    leads = [r["audio_lead_s"] for r in reqs if math.isfinite(r["audio_lead_s"])]
+    leads = [r["audio_lead_s"] for r in reqs if finite(r["audio_lead_s"])]
     wall = max(r["end"] for r in reqs) - min(r["start"] for r in reqs)
     return {
         "requests": len(reqs), "wall_s": wall, "throughput_rps": len(reqs) / wall,
         "thinker_done_ms": summary([r["thinker_done_s"] for r in reqs], 1e3),
         # a request with no audio (a reply too short to speak) has no first audio
-        "first_audio_ms": summary([r["first_audio_s"] for r in reqs if math.isfinite(r["first_audio_s"])], 1e3),
+        "first_audio_ms": summary([r["first_audio_s"] for r in reqs if finite(r["first_audio_s"])], 1e3),
         "audio_lead_ms": summary(leads, 1e3),
         "first_audio_before_thinker_done": sum(1 for v in leads if v > 0),
         "with_text_and_audio": len(leads),
@@ -678,21 +719,30 @@ def failover(stack: Any, cfg: E2EConfig, settle_s: float = 3.0) -> dict[str, Any
         for t in threads:
             t.join(120)
         client.close()
-    after = sorted((r for r in results if r[0] >= killed and r[2] == "ok"), key=lambda r: r[0])
+    out = {"killed": victim.name, "concurrency": cfg.failover_concurrency, "restarted_s": restarted - killed,
+           "requests": [[t0 - killed, t1 - killed, outcome] for t0, t1, outcome in results]}
+    log(f"e2e failover: {failover_summary(out)}")
+    return out
+
+
+def failover_summary(raw: dict[str, Any]) -> dict[str, Any]:
+    """The failover figures, from its raw form (`failover`: every request's
+    send and end time in seconds from the kill, and its outcome)."""
+    results = raw["requests"]
+    restarted = raw["restarted_s"]
+    after = sorted((r for r in results if r[0] >= 0 and r[2] == "ok"), key=lambda r: r[0])
     failed = [r for r in results if r[2] != "ok"]
     first = after[0] if after else None
-    out = {
-        "killed": victim.name, "concurrency": cfg.failover_concurrency, "requests": len(results),
+    return {
+        "killed": raw["killed"], "concurrency": raw["concurrency"], "requests": len(results),
         "failed": len(failed), "failed_codes": sorted({r[2] for r in failed}),
-        "failed_sent_after_kill_ms": sorted((r[0] - killed) * 1e3 for r in failed if r[0] >= killed),
-        "gap_ms": (first[0] - killed) * 1e3 if first else None,
-        "first_success_done_ms": (first[1] - killed) * 1e3 if first else None,
-        "restarted_s": restarted - killed,
+        "failed_sent_after_kill_ms": sorted(r[0] * 1e3 for r in failed if r[0] >= 0),
+        "gap_ms": first[0] * 1e3 if first else None,
+        "first_success_done_ms": first[1] * 1e3 if first else None,
+        "restarted_s": restarted,
         "ok_after_restart": sum(1 for r in results if r[0] >= restarted and r[2] == "ok"),
         "failed_after_restart": sum(1 for r in results if r[0] >= restarted and r[2] != "ok"),
     }
-    log(f"e2e failover: {out}")
-    return out
 
 
 def e2e_targets(levels: dict[str, dict[str, Any]], hashes, memory, top: int,  # noqa: ANN001
@@ -774,7 +824,7 @@ def markdown(data: dict[str, Any], targets) -> str:  # noqa: ANN001
     reps = data.get("replicas", 1)
     title = f"# e2e{' (quick)' if data['quick'] else ''}{f', {reps} replicas' if reps > 1 else ''}"
     lines = [title,
-             "", machine_md(data["machine"]), "",
+             "", machine_md(data["machine"], data["date"]), "",
              f"Profile tts, engine {engine}; {cfg['max_tokens']} codec frames per request "
              f"({cfg['max_tokens'] / 12.5:.2f} s of audio), temperature {cfg['temperature']}, top_p {cfg['top_p']}, "
              "a fixed seed per prompt. Client: closed loop over gRPC Speak; TTFP = request sent -> first audio chunk. "
@@ -866,11 +916,18 @@ def markdown(data: dict[str, Any], targets) -> str:  # noqa: ANN001
     lines += ["", f"Materializer RSS idle (after warm-up) {mem['materializer_idle_mib'] or float('nan'):.0f} MiB, "
               f"peak at the top concurrency {mem['materializer_peak_at_top_mib'] or float('nan'):.0f} MiB. "
               f"Shared-memory segments left after stop: {mem['shm_segments_left_after_stop']}.", ""]
-    lines += ["## Audio hashes (sha256, first 16 hex digits; full in hashes.txt)", ""]
-    lines.append(md_table(["concurrency", "#", *MODES, "equal"],
-                          [[h["concurrency"], h["index"], *((h.get(m) or "")[:16] for m in MODES),
-                            h["equal"] if h.get("comparable", True) else "other first chunk"]
-                           for h in data["hashes"]]))
+    odd = [h for h in data["hashes"] if not h["equal"]]
+    equal, comparable, total = hashes_held(data["hashes"])
+    lines += ["## Audio hashes", "",
+              f"sha256 of every request's PCM, compared across {', '.join(MODES)}: {equal} of {comparable} comparable "
+              f"requests equal{first_chunk_note(comparable, total)}. Every hash is in the results file and in the "
+              "run folder's hashes.txt." + (" The requests whose hashes differ (first 16 hex digits):" if odd else ""),
+              ""]
+    if odd:
+        lines.append(md_table(["concurrency", "#", *MODES, "verdict"],
+                              [[h["concurrency"], h["index"], *((h.get(m) or "")[:16] for m in MODES),
+                                "DIFFERENT" if h.get("comparable", True) else "other first chunk"] for h in odd]))
+        lines.append("")
     if data.get("replicas", 1) > 1:
         lines += ["", "## Replicas", "",
                   f"{data['replicas']} decoder + materializer pairs per stack. Requests finished per decoder: "

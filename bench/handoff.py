@@ -39,16 +39,17 @@ from typing import Any
 import numpy as np
 import torch
 
+from bench import record
 from bench.common import (
     RssSampler,
     SuiteResult,
     check,
     growth_report,
     human_bytes,
-    machine_info,
     machine_md,
     md_table,
     memory_md,
+    pct,
     plot_memory,
     progress,
     pyplot,
@@ -56,7 +57,6 @@ from bench.common import (
     summary,
     targets_json,
     targets_md,
-    write_json,
 )
 from bench.handoff_sink import RECEIVE_NS
 
@@ -227,16 +227,22 @@ def measure_size(size: int, iters: int, arena, streams: dict[str, Stream], step_
         run_blocks("_1t", max(1, per_block // 2))
     finally:
         torch.set_num_threads(prev)
-    iters = per_block * BLOCKS
-    nbytes = rows * WIDTH * 4
-    out: dict[str, Any] = {"size": nbytes, "iters": iters, "snapshot_bytes": sizes, "torch_threads": prev}
+    return {"size": rows * WIDTH * 4, "iters": per_block * BLOCKS, "snapshot_bytes": sizes, "torch_threads": prev,
+            "samples_s": dict(acc)}
+
+
+def size_summary(m: dict[str, Any]) -> dict[str, Any]:
+    """One size's table row, from its raw samples (`measure_size`)."""
+    acc, nbytes = m["samples_s"], m["size"]
+    out: dict[str, Any] = {"size": nbytes, "iters": m["iters"], "snapshot_bytes": m["snapshot_bytes"],
+                           "torch_threads": m["torch_threads"]}
     for k, v in acc.items():
         out[k + "_us"] = summary(v, 1e6)
     for path in ("shm", "inline"):  # what the parts above do not cover: serialize, socket, parse, wake-ups
         out[f"{path}_transport_us"] = summary(
-            [r - c - m - x for r, c, m, x in zip(acc[f"{path}_roundtrip"], acc[f"{path}_critical"],
+            [r - c - x - y for r, c, x, y in zip(acc[f"{path}_roundtrip"], acc[f"{path}_critical"],
                                                  acc[f"{path}_message"], acc[f"{path}_receiver"], strict=True)], 1e6)
-    med = {k: float(np.median(v)) for k, v in acc.items()}
+    med = {k: pct(v, 50) for k, v in acc.items()}
     out["bandwidth_gbps"] = {k: nbytes / med[k] / 1e9 for k in ("memcpy_torch", "memcpy_numpy", "arena_write",
                                                                  "shm_roundtrip", "inline_roundtrip",
                                                                  "memcpy_torch_1t", "arena_write_1t")}
@@ -253,6 +259,7 @@ def run(cfg: HandoffConfig, out_dir: Path) -> SuiteResult:
 
     from omni_common.shm_arena import ShmArena, sweep_stale
 
+    rec = record.begin("handoff", quick=cfg.quick, settings=dataclasses.asdict(cfg))
     deployment = f"handoff{os.getpid()}"
     prefix = f"omni-{deployment}"
     sweep_stale(prefix)
@@ -268,7 +275,7 @@ def run(cfg: HandoffConfig, out_dir: Path) -> SuiteResult:
         streams[path] = Stream(sinks[path].target, prefix)
     stream = streams["shm"]
     step_ids = itertools.count(1)
-    rows: list[dict[str, Any]] = []
+    sizes: list[dict[str, Any]] = []
     try:
         # baseline: a snapshot with no tensor (the stream's own round trip)
         from decoder_svc.snapshot import take_snapshot
@@ -286,7 +293,7 @@ def run(cfg: HandoffConfig, out_dir: Path) -> SuiteResult:
         with progress(len(cfg.sizes), "handoff", "size") as bar:
             for size in cfg.sizes:
                 bar.set_postfix_str(human_bytes(size))
-                rows.append(measure_size(size, cfg.iters(size), arena, streams, step_ids))
+                sizes.append(measure_size(size, cfg.iters(size), arena, streams, step_ids))
                 bar.update(1)
         sampler.mark("end")
     finally:
@@ -298,18 +305,33 @@ def run(cfg: HandoffConfig, out_dir: Path) -> SuiteResult:
         peak = arena.peak_in_use
         arena.close()
         sweep_stale(prefix)
-    memory = {"processes": growth_report(sampler),
-              "arena": {"num_slots": 2, "slot_bytes": arena.slot_bytes, "peak_slots_in_use": peak}}
-    targets = handoff_targets(rows, cfg.target_size)
-    data = {"suite": "handoff", "quick": cfg.quick, "config": dataclasses.asdict(cfg), "machine": machine_info(),
-            "empty_roundtrip_us": summary(base, 1e6), "results": rows, "memory": memory,
-            "targets": targets_json(targets)}
-    write_json(out_dir / "results.json", data)
-    plot(rows, out_dir)
-    plot_memory(sampler, out_dir / "memory.png", "handoff: RSS per process")
+    rec = record.complete(rec, {
+        "empty_roundtrip_s": base, "sizes": sizes, "memory": sampler.raw(),
+        "arena": {"num_slots": 2, "slot_bytes": arena.slot_bytes, "peak_slots_in_use": peak},
+    })
+    data, targets = analyze(rec)
+    plot(data["results"], out_dir)
+    plot_memory(rec["raw"]["memory"], out_dir / "memory.png", "handoff: RSS per process")
     md = markdown(data, targets)
     (out_dir / "results.md").write_text(md)
-    return SuiteResult("handoff", out_dir, data, targets, md)
+    return SuiteResult("handoff", out_dir, data, targets, md, rec)
+
+
+def analyze(rec: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
+    """The tables' numbers and the targets, from a results file's record."""
+    raw = rec["raw"]
+    rows = [size_summary(m) for m in raw["sizes"]]
+    memory = {"processes": growth_report(raw["memory"]), "arena": raw["arena"]}
+    targets = handoff_targets(rows, rec["settings"]["target_size"])
+    data = {"suite": "handoff", "quick": rec["quick"], "config": rec["settings"], "machine": rec["host"],
+            "date": rec["date"], "empty_roundtrip_us": summary(raw["empty_roundtrip_s"], 1e6), "results": rows,
+            "memory": memory, "targets": targets_json(targets)}
+    return data, targets
+
+
+def render(rec: dict[str, Any]) -> str:
+    """The suite's tables from a results file (what `bench report` shows)."""
+    return markdown(*analyze(rec))
 
 
 def _at(rows: list[dict[str, Any]], size: int) -> dict[str, Any] | None:
@@ -335,7 +357,7 @@ def handoff_targets(rows: list[dict[str, Any]], target_size: int):
 
 def markdown(data: dict[str, Any], targets) -> str:
     rows = data["results"]
-    lines = [f"# handoff{' (quick)' if data['quick'] else ''}", "", machine_md(data["machine"]), "",
+    lines = [f"# handoff{' (quick)' if data['quick'] else ''}", "", machine_md(data["machine"], data["date"]), "",
              "One step's tensor (hidden states, 2048 x float32 per row) to a receiver process over a real gRPC "
              "stream on a unix socket; the receiver validates, waits for readiness, reads every byte and answers. "
              "Critical path = what the decode step pays (shm: copy into the arena slot + ready mark; inline: "

@@ -46,7 +46,7 @@ from typing import Any
 
 import numpy as np
 
-from bench import engines
+from bench import engines, record
 from bench.common import (
     RssSampler,
     SuiteResult,
@@ -54,7 +54,6 @@ from bench.common import (
     fmt,
     growth_report,
     log,
-    machine_info,
     machine_md,
     md_table,
     memory_md,
@@ -65,7 +64,6 @@ from bench.common import (
     summary,
     targets_json,
     targets_md,
-    write_json,
 )
 
 MODES = ("none", "inline", "thread", "remote-shm", "remote-inline")
@@ -354,6 +352,7 @@ def run(cfg: StepGapConfig, out_dir: Path) -> SuiteResult:
     out_dir.mkdir(parents=True, exist_ok=True)
     from omni_common.shm_arena import sweep_stale
 
+    rec = record.begin("step-gap", quick=cfg.quick, settings=dataclasses.asdict(cfg))
     deployment = f"bench{os.getpid()}"
     prefix = f"omni-{deployment}"
     sweep_stale(prefix)
@@ -363,7 +362,7 @@ def run(cfg: StepGapConfig, out_dir: Path) -> SuiteResult:
     backend = engines.MeasuredBackend(inner)
     materializer = MaterializerProcess(deployment).start()
     sampler.add("materializer", materializer.pid)
-    results: list[dict[str, Any]] = []
+    runs: list[dict[str, Any]] = []
     try:
         log(f"step-gap: engine = {why}")
         _warm_engine(backend, engine, max(cfg.batches), cfg.warmup + 8)
@@ -378,21 +377,12 @@ def run(cfg: StepGapConfig, out_dir: Path) -> SuiteResult:
         plan = [(r, p, b, m) for r in range(cfg.rounds) for p in PAYLOADS for b in cfg.batches
                 for m in MODES[r % len(MODES):] + MODES[: r % len(MODES)]]  # each round starts elsewhere
         per_round_steps = {b: max(1, -(-cfg.steps[b] // cfg.rounds)) for b in cfg.batches}
-        raw: dict[tuple[str, str, int], dict[str, Any]] = {}
         with progress(len(plan), "step-gap", "config") as bar:
             for round_no, payload, batch, mode in plan:
                 bar.set_postfix_str(f"{payload} b={batch} {mode}")
                 r = run_one(backend, engine, payload, mode, batch, warmup=cfg.warmup, steps=per_round_steps[batch],
                             materializer=materializer, prefix=prefix, round_no=round_no)
-                acc = raw.setdefault((payload, mode, batch), {"gaps_s": [], "step_s": [], "peak_slots_in_use": 0,
-                                                               "fallback_steps": 0, "remote_steps": 0, "in_flight_peak": 0})
-                acc["gaps_s"] += r["gaps_s"]
-                acc["step_s"] += r["step_s"]
-                for k in ("peak_slots_in_use", "in_flight_peak"):
-                    acc[k] = max(acc[k], r[k])
-                for k in ("fallback_steps", "remote_steps"):
-                    acc[k] += r[k]
-                acc["output_path"] = r["output_path"]
+                runs.append({"round": round_no, "payload": payload, "mode": mode, "batch": batch, **r})
                 bar.update(1)
         sampler.mark("end")
     finally:
@@ -400,33 +390,59 @@ def run(cfg: StepGapConfig, out_dir: Path) -> SuiteResult:
         sampler.stop()
         backend.really_close()
         sweep_stale(prefix)
-    for (payload, mode, batch), acc in raw.items():
-        results.append({
-            "payload": payload, "mode": mode, "batch": batch, "output_path": acc["output_path"],
-            "payload_bytes_per_step": payload_bytes(payload, mode, batch, cfg.hidden_size),
-            "gap_us": summary(acc["gaps_s"], 1e6), "step_ms": summary(acc["step_s"], 1e3),
-            "peak_slots_in_use": acc["peak_slots_in_use"], "fallback_steps": acc["fallback_steps"],
-            "remote_steps": acc["remote_steps"], "in_flight_peak": acc["in_flight_peak"],
-        })
+    rec = record.complete(rec, {
+        "engine": engine, "engine_note": why, "arena": {"num_slots": ARENA_SLOTS, "slot_bytes": ARENA_SLOT_BYTES},
+        "runs": runs, "memory": sampler.raw(),
+    })
+    data, targets = analyze(rec)
+    plot(data["results"], cfg.batches, out_dir)
+    plot_memory(rec["raw"]["memory"], out_dir / "memory.png", "step-gap: RSS per process")
+    md = markdown(data, targets)
+    (out_dir / "results.md").write_text(md)
+    return SuiteResult("step-gap", out_dir, data, targets, md, rec)
+
+
+def analyze(rec: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
+    """The tables' numbers and the targets, from a results file's record:
+    every run's steps pooled per (payload, mode, batch) over the rounds."""
+    raw, settings = rec["raw"], rec["settings"]
+    acc: dict[tuple[str, str, int], dict[str, Any]] = {}
+    for r in raw["runs"]:
+        a = acc.setdefault((r["payload"], r["mode"], r["batch"]), {
+            "gaps_s": [], "step_s": [], "peak_slots_in_use": 0, "fallback_steps": 0, "remote_steps": 0,
+            "in_flight_peak": 0})
+        a["gaps_s"] += r["gaps_s"]
+        a["step_s"] += r["step_s"]
+        for k in ("peak_slots_in_use", "in_flight_peak"):
+            a[k] = max(a[k], r[k])
+        for k in ("fallback_steps", "remote_steps"):
+            a[k] += r[k]
+        a["output_path"] = r["output_path"]
+    results = [{
+        "payload": payload, "mode": mode, "batch": batch, "output_path": a["output_path"],
+        "payload_bytes_per_step": payload_bytes(payload, mode, batch, settings["hidden_size"]),
+        "gap_us": summary(a["gaps_s"], 1e6), "step_ms": summary(a["step_s"], 1e3),
+        "peak_slots_in_use": a["peak_slots_in_use"], "fallback_steps": a["fallback_steps"],
+        "remote_steps": a["remote_steps"], "in_flight_peak": a["in_flight_peak"],
+    } for (payload, mode, batch), a in acc.items()]
     results.sort(key=lambda r: (PAYLOADS.index(r["payload"]), r["batch"], MODES.index(r["mode"])))
     add_floor_gaps(results)
     memory = {
-        "processes": growth_report(sampler),
-        "arena": {"num_slots": ARENA_SLOTS, "slot_bytes": ARENA_SLOT_BYTES,
-                  "peak_slots_in_use": max((r["peak_slots_in_use"] for r in results), default=0)},
+        "processes": growth_report(raw["memory"]),
+        "arena": {**raw["arena"], "peak_slots_in_use": max((r["peak_slots_in_use"] for r in results), default=0)},
     }
-    targets = step_gap_targets(results, max(cfg.batches))
+    targets = step_gap_targets(results, max(settings["batches"]))
     data = {
-        "suite": "step-gap", "quick": cfg.quick, "engine": engine, "engine_note": why,
-        "config": dataclasses.asdict(cfg), "machine": machine_info(), "results": results,
+        "suite": "step-gap", "quick": rec["quick"], "engine": raw["engine"], "engine_note": raw["engine_note"],
+        "config": settings, "machine": rec["host"], "date": rec["date"], "results": results,
         "memory": memory, "targets": targets_json(targets),
     }
-    write_json(out_dir / "results.json", data)
-    plot(results, cfg.batches, out_dir)
-    plot_memory(sampler, out_dir / "memory.png", "step-gap: RSS per process")
-    md = markdown(data, targets)
-    (out_dir / "results.md").write_text(md)
-    return SuiteResult("step-gap", out_dir, data, targets, md)
+    return data, targets
+
+
+def render(rec: dict[str, Any]) -> str:
+    """The suite's tables from a results file (what `bench report` shows)."""
+    return markdown(*analyze(rec))
 
 
 def _get(results: list[dict[str, Any]], payload: str, mode: str, batch: int) -> dict[str, Any] | None:
@@ -488,7 +504,7 @@ def markdown(data: dict[str, Any], targets) -> str:
     lines = [
         f"# step-gap{' (quick)' if data['quick'] else ''}",
         "",
-        machine_md(data["machine"]),
+        machine_md(data["machine"], data["date"]),
         "",
         f"Engine: {data['engine_note']}.",
         "",
@@ -570,4 +586,4 @@ def plot(results: list[dict[str, Any]], batches: tuple[int, ...], out_dir: Path)
         plt.close(fig)
 
 
-__all__ = ["StepGapConfig", "run", "MODES", "PAYLOADS", "fmt"]
+__all__ = ["StepGapConfig", "run", "analyze", "render", "MODES", "PAYLOADS", "fmt"]

@@ -1,19 +1,23 @@
 """`omni-serving bench all --quick`: every suite runs and writes its results.
 
 Correctness only (every mode ran and produced numbers, audio hashes agree,
-the JSON / Markdown / PNG files exist); never time: the figures are for
-people to read, on a machine whose load nobody controls.
+the results file / Markdown / PNG files exist, the results file holds the
+raw numbers and gives the run's own tables, `bench report` renders the
+files); never time: the figures are for people to read, on a machine whose
+load nobody controls.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
+import shutil
 from pathlib import Path
 
 import pytest
 
-from bench import cli, e2e, handoff, step_gap
+from bench import cli, e2e, handoff, record, report, step_gap
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 
@@ -25,11 +29,23 @@ def results(tmp_path_factory) -> Path:
     return out
 
 
+MODULES = {"step-gap": step_gap, "handoff": handoff, "e2e": e2e}
+
+
+def record_of(results: Path, suite: str) -> tuple[Path, dict]:
+    """The suite's results file in its run folder (`--out` keeps it there), read back."""
+    files = sorted((results / suite).glob(f"*-{suite}-quick.json*"))
+    assert len(files) == 1, f"{suite}: expected one results file in {results / suite}, found {files}"
+    return files[0], record.load(files[0])
+
+
 def load(results: Path, suite: str) -> dict:
+    """The suite's tables' numbers, computed from its results file."""
     folder = results / suite
-    for name in ("results.json", "results.md", "memory.png"):
+    for name in ("results.md", "memory.png"):
         assert (folder / name).is_file() and (folder / name).stat().st_size > 0, f"{suite}: {name} missing"
-    return json.loads((folder / "results.json").read_text())
+    data, _ = MODULES[suite].analyze(record_of(results, suite)[1])
+    return data
 
 
 def finite(*xs) -> bool:
@@ -158,3 +174,54 @@ def test_summary_has_the_targets_table(results):
     assert "## Targets" in text and "| target | measured | goal | status |" in text
     for suite in ("# step-gap", "# handoff", "# e2e"):
         assert suite in text
+
+
+def test_results_files_hold_the_raw_numbers_and_give_the_run_tables(results):
+    for suite, module in MODULES.items():
+        path, rec = record_of(results, suite)
+        assert rec["suite"] == suite and rec["quick"] is True, (suite, rec["suite"], rec["quick"])
+        assert rec["run"]["command"] == f"python -m bench all --quick --out {results}", rec["run"]["command"]
+        assert re.fullmatch(r"[0-9a-f]{40}", rec["run"]["git"]["commit"]), rec["run"]["git"]
+        assert rec["host"]["cores_available"] >= 1 and rec["host"]["cpu_model"], rec["host"]
+        assert path.stat().st_size < record.COMMIT_LIMIT, f"{path.name}: {path.stat().st_size} bytes"
+        # the run folder's tables are what the report computes from the file
+        assert module.render(rec) == (results / suite / "results.md").read_text(), f"{suite}: tables differ"
+    # raw: per step, per iteration and per request, not summaries
+    sg = record_of(results, "step-gap")[1]
+    cfg = step_gap.StepGapConfig.for_run(quick=True)
+    runs = sg["raw"]["runs"]
+    assert len(runs) == cfg.rounds * len(step_gap.PAYLOADS) * len(cfg.batches) * len(step_gap.MODES)
+    for r in runs:
+        assert len(r["gaps_s"]) == len(r["step_s"]) == cfg.steps[r["batch"]], r
+    assert sg["raw"]["memory"]["timeline"] and set(sg["raw"]["memory"]["marks"]) == {"after_warmup", "end"}
+    ho = record_of(results, "handoff")[1]
+    for size in ho["raw"]["sizes"]:
+        assert len(size["samples_s"]["shm_roundtrip"]) == size["iters"], size["size"]
+    ee = record_of(results, "e2e")[1]
+    ecfg = e2e.E2EConfig.for_run(quick=True)
+    for c, level in ee["raw"]["levels"].items():
+        for mode in e2e.MODES:
+            reqs = level[mode]["requests"]
+            assert len(reqs) == ecfg.prompts[int(c)] and all(len(r["sha256"]) == 64 for r in reqs), (c, mode)
+    top = ee["raw"]["levels"][str(max(ecfg.concurrency))]
+    assert all(top[m]["probe"]["latencies_s"] for m in e2e.MODES), "the probe's calls are not in the file"
+
+
+def test_report_renders_the_results_files(results, tmp_path):
+    folder = tmp_path / "results"
+    folder.mkdir()
+    sections = []
+    for suite in MODULES:
+        path, _ = record_of(results, suite)
+        shutil.copy(path, folder / path.name)
+        sections.append({"file": path.name, "note": f"The {suite} suite.", "quick": True})
+    index = folder / "INDEX.yaml"
+    index.write_text(json.dumps({"sections": sections}))
+    output = tmp_path / "RESULTS.md"
+    text = report.generate(index, output)
+    assert text == report.generate(index, output), "two reports of the same files differ"
+    for suite in MODULES:
+        tables = report.shift_headings((results / suite / "results.md").read_text().strip(), 2)
+        assert tables in text, f"the report does not show {suite}'s tables as its run did"
+    output.write_text(text)
+    assert report.main(["--check", "--index", str(index), "--output", str(output)]) == 0
