@@ -43,7 +43,7 @@ from collections.abc import AsyncGenerator, Mapping
 from aiohttp import WSCloseCode, WSMsgType, web
 
 from gateway.engine import GatewayEngine
-from gateway.http_facade import error_body, error_response, error_response_for, json_field
+from gateway.http_common import error_body, error_response, error_response_for, json_field
 from gateway.servicer import CLIENT_ERRORS
 from gateway.speak_stream import (
     ClientGone,
