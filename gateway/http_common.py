@@ -15,6 +15,8 @@ Invariants:
   is one of ours, and its traceback is logged.
 * ``param`` is the field as the client spelled it (`http_param` renames the
   engine's and decoder's field names).
+* A WebSocket route declares itself as a `WebSocketRoute` (its path and
+  subprotocol names), so the access rules and the handler agree on them.
 * A JSON field of the wrong type, or a number out of its range, is a 400
   that names the field (`json_field`, `number_field`, `int_field`); a JSON
   ``true`` is never taken for a number.
@@ -27,6 +29,7 @@ import json
 import logging
 import math
 from collections.abc import Mapping
+from dataclasses import dataclass
 
 import grpc
 from aiohttp import web
@@ -73,6 +76,25 @@ _HTTP_STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
 def model_id(info: DecoderInfo) -> str:
     """The id clients see: the decoder's model name, or `DEFAULT_MODEL_ID`."""
     return info.model or DEFAULT_MODEL_ID
+
+
+def route_label(request: web.Request) -> str:
+    """The route template of a request (``/v1/models/{model_id}``); "unmatched" for none."""
+    resource = request.match_info.route.resource
+    return resource.canonical if resource is not None else "unmatched"
+
+
+@dataclass(frozen=True)
+class WebSocketRoute:
+    """A WebSocket route, as the access rules see it (`gateway.http_auth`).
+
+    `protocols` are the ``Sec-WebSocket-Protocol`` names the route speaks:
+    the gateway echoes the first one the client offers, and a client that
+    sends its key in a protocol entry offers one of these beside it.
+    """
+
+    path: str
+    protocols: tuple[str, ...]
 
 
 # ------------------------------------------------------------------ errors
@@ -223,6 +245,7 @@ __all__ = [
     "REQUEST_ID_HEADER",
     "SAMPLE_RATE_HEADER",
     "InvalidBodyError",
+    "WebSocketRoute",
     "error_body",
     "error_response",
     "error_response_for",
@@ -232,6 +255,7 @@ __all__ = [
     "model_id",
     "number_field",
     "read_json",
+    "route_label",
     "sse_event",
     "start_sse",
     "write_sse_error",

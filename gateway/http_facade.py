@@ -20,14 +20,19 @@ Routes:
 * ``GET /v1/audio/speech/stream`` - a WebSocket: text in as it is written,
   audio out as each segment is spoken, cancel (barge-in) on the same call
   (`gateway.http_ws`, `gateway.speak_stream`).
+* ``POST /v1/realtime/client_secrets`` - a short-lived key for the
+  WebSocket routes, in OpenAI's client-secret shape (`gateway.http_auth`).
 * ``GET /`` and ``GET /playground/{name}`` - the playground page and its
   files (`gateway.http_playground`).
 
-With a token configured, every route but ``/health`` and the playground
-page (GET/HEAD of ``/`` and its files, static and holding no data: the page
-sends the token the user types to the API routes) needs
-``Authorization: Bearer <token>``; without it the answer is 401 in OpenAI's
-shape (code ``invalid_api_key``).
+Access (`gateway.http_auth`, one middleware): with a token configured,
+every route but ``/health`` and the playground page (GET/HEAD of ``/`` and
+its files, static and holding no data: the page sends the token the user
+types to the API routes) needs ``Authorization: Bearer <token>``; without it
+the answer is 401 in OpenAI's shape (code ``invalid_api_key``). The
+WebSocket routes also take a key in a ``Sec-WebSocket-Protocol`` entry (a
+browser can set no header), and refuse an ``Origin`` other than the
+gateway's own or a listed one (403), token or not.
 
 Errors use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``,
 with the HTTP status derived from the gRPC code `grpc_code_for` gives, and
@@ -42,7 +47,7 @@ import asyncio
 import logging
 import ssl
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Sequence
 
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -50,10 +55,17 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from gateway import metrics
 from gateway.engine import GatewayEngine
 from gateway.health import HealthState
+from gateway.http_auth import (
+    CLIENT_SECRETS_ROUTE,
+    Access,
+    AllowedOrigins,
+    ClientKeys,
+    ClientSecretsEndpoint,
+)
 from gateway.http_chat import ChatEndpoint
-from gateway.http_common import error_response
+from gateway.http_common import error_response, route_label
 from gateway.http_models import ModelsEndpoint
-from gateway.http_playground import add_playground_routes, is_page_path
+from gateway.http_playground import add_playground_routes
 from gateway.http_speech import SpeechEndpoint
 from gateway.http_ws import SpeechStreamEndpoint
 from gateway.servicer import CLIENT_ERRORS
@@ -63,25 +75,12 @@ from omni_common.errors import (
     public_message,
     quote_value,
 )
-from omni_common.server import bearer_token_matches
 
 logger = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "X-Request-Id"
 SAMPLE_RATE_HEADER = "X-Sample-Rate"
 FINISH_REASON_HEADER = "X-Finish-Reason"
-
-UNAUTHORIZED_MESSAGE = (
-    "authorization: missing or invalid bearer token (header 'Authorization: Bearer …')"
-)
-
-
-def unauthorized_response() -> web.Response:
-    response = error_response(
-        401, UNAUTHORIZED_MESSAGE, type_="invalid_request_error", param=None, code="invalid_api_key"
-    )
-    response.headers["WWW-Authenticate"] = "Bearer"
-    return response
 
 
 class HttpFacade:
@@ -93,20 +92,28 @@ class HttpFacade:
         *,
         monitor: HealthState | None = None,
         auth_token: str | None = None,
+        allowed_origins: Sequence[str] = (),
         ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self._engine = engine
         self._monitor = monitor
         self._ssl_context = ssl_context
+        keys = ClientKeys(auth_token)
+        access = Access(
+            token=auth_token,
+            keys=keys,
+            origins=AllowedOrigins(allowed_origins),
+            websocket_routes=[SpeechStreamEndpoint.route],
+        )
         # Outermost first: the metrics see the final status of every request.
-        middlewares = [_http_metrics, _openai_errors]
-        if auth_token is not None:
-            middlewares.append(_bearer_auth(auth_token))
-        self.app = web.Application(middlewares=middlewares)
+        self.app = web.Application(middlewares=[_http_metrics, _openai_errors, access.middleware])
         models = ModelsEndpoint(engine)
         self.app.router.add_post("/v1/audio/speech", SpeechEndpoint(engine).handle)
-        self.app.router.add_get("/v1/audio/speech/stream", SpeechStreamEndpoint(engine).handle)
+        self.app.router.add_get(
+            SpeechStreamEndpoint.route.path, SpeechStreamEndpoint(engine).handle
+        )
         self.app.router.add_post("/v1/chat/completions", ChatEndpoint(engine).handle)
+        self.app.router.add_post(CLIENT_SECRETS_ROUTE, ClientSecretsEndpoint(keys).handle)
         self.app.router.add_get("/v1/models", models.list)
         self.app.router.add_get("/v1/models/{model_id:.+}", models.get)
         self.app.router.add_get("/health", self.health)
@@ -171,24 +178,6 @@ class HttpFacade:
         return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-def _bearer_auth(
-    token: str,
-) -> Callable[[web.Request, Callable[[web.Request], Awaitable[web.StreamResponse]]], Awaitable]:
-    @web.middleware
-    async def bearer_auth(request: web.Request, handler) -> web.StreamResponse:  # noqa: ANN001
-        """Every route but /health and the playground page needs ``Authorization: Bearer <token>``."""
-        if (
-            request.path == "/health"
-            or is_page_path(request.method, request.path)
-            or bearer_token_matches(request.headers.get("Authorization"), token)
-        ):
-            return await handler(request)
-        logger.info("refused %s %s: no valid bearer token", request.method, request.path)
-        return unauthorized_response()
-
-    return bearer_auth
-
-
 # HTTP status -> the gRPC code counted in omni_gateway_requests_total.
 _GRPC_CODE_OF_STATUS: dict[int, str] = {
     200: "OK",
@@ -206,12 +195,6 @@ _GRPC_CODE_OF_STATUS: dict[int, str] = {
 }
 CLIENT_CLOSED_STATUS = 499
 """Status counted for a request whose client went away before it was answered."""
-
-
-def route_label(request: web.Request) -> str:
-    """The route template of a request (``/v1/models/{model_id}``); "unmatched" for none."""
-    resource = request.match_info.route.resource
-    return resource.canonical if resource is not None else "unmatched"
 
 
 @web.middleware
@@ -268,4 +251,4 @@ async def _openai_errors(request: web.Request, handler) -> web.StreamResponse:  
         )
 
 
-__all__ = ["CLIENT_CLOSED_STATUS", "HttpFacade", "route_label"]
+__all__ = ["CLIENT_CLOSED_STATUS", "HttpFacade"]
