@@ -698,3 +698,35 @@ def _forbidden_upgrades() -> float:
 
     labels = {"api": ROUTE, "status": "403"}
     return REGISTRY.get_sample_value("omni_gateway_http_requests_total", labels) or 0.0
+
+
+def _docs_javascript() -> str:
+    """The one JavaScript block of docs/gateway.md (Browsers and WebSockets)."""
+    text = (Path(__file__).parents[1] / "docs" / "gateway.md").read_text()
+    blocks = re.findall(r"^```js\n(.*?)^```$", text, re.MULTILINE | re.DOTALL)
+    assert len(blocks) == 1, f"want one js block in docs/gateway.md, found {len(blocks)}"
+    return blocks[0]
+
+
+@pytest.mark.e2e
+def test_the_docs_javascript_works_as_written(browser, token_stack: Stack) -> None:
+    _open(browser, token_stack.http_url)  # a page of the gateway's own origin
+    script = (
+        _docs_javascript()
+        + """
+const [gateway, token, text, done] = arguments;
+mintKey(gateway, token)
+  .then((key) => speakOverWebSocket(gateway, key, text))
+  .then(
+    (r) => done({samples: r.chunks.reduce((n, c) => n + c.length, 0), rate: r.rate,
+                 seconds: r.seconds}),
+    (err) => done({error: String(err)}),
+  );
+"""
+    )
+    browser.set_script_timeout(60)
+    got = browser.execute_async_script(script, token_stack.http_url, TOKEN, TEXT)
+    assert "error" not in got and got["rate"] == 24000, got
+    assert got["samples"] > 0 and got["samples"] == pytest.approx(got["seconds"] * 24000, abs=1)
+    wrong = browser.execute_async_script(script, token_stack.http_url, "wrong", TEXT)
+    assert wrong == {"error": "Error: client_secrets: HTTP 401"}, wrong
