@@ -78,10 +78,6 @@ from omni_common.errors import (
 
 logger = logging.getLogger(__name__)
 
-REQUEST_ID_HEADER = "X-Request-Id"
-SAMPLE_RATE_HEADER = "X-Sample-Rate"
-FINISH_REASON_HEADER = "X-Finish-Reason"
-
 
 class HttpFacade:
     """The aiohttp application and its runner."""
