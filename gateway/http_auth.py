@@ -341,10 +341,8 @@ class Access:
             return error_response_for(exc)
         if self._token is None:
             return None
-        header = request.headers.get("Authorization")
-        presented = ([] if header is None else [_bearer_value(header)]) + (
-            [] if key is None else [key]
-        )
+        bearer = _bearer_value(request.headers.get("Authorization", ""))
+        presented = [c for c in (bearer, key) if c is not None]
         if presented and all(self._valid(credential) for credential in presented):
             return None
         logger.info("refused %s: no valid WebSocket credentials", request.path)
@@ -356,10 +354,15 @@ class Access:
         return self._keys.valid(credential) or token_ok
 
 
-def _bearer_value(header: str) -> str:
-    """The credential of an ``Authorization: Bearer …`` value ("" for another scheme)."""
+def _bearer_value(header: str) -> str | None:
+    """The credential of an ``Authorization: Bearer …`` value; None for none or another scheme.
+
+    A browser may send the ``Basic`` credentials it holds for the site on a
+    WebSocket handshake by itself; they are not the gateway's, so they are
+    not judged.
+    """
     scheme, _, value = header.strip().partition(" ")
-    return value.strip() if scheme.lower() == "bearer" else ""
+    return value.strip() if scheme.lower() == "bearer" else None
 
 
 def _protocol_key(request: web.Request, route: WebSocketRoute) -> str | None:

@@ -270,6 +270,12 @@ def test_wrong_expired_and_foreign_keys_are_401(
     both = {"Authorization": f"Bearer {TOKEN}", **key_protocols("nope")}
     refused(handshake(port, both), 401, "invalid_api_key", None)
     accepted(handshake(port, {"Authorization": f"Bearer {TOKEN}", **key_protocols(live)}))
+    # Basic credentials a browser holds for the site are not the gateway's: the key decides.
+    basic = {"Authorization": "Basic dXNlcjpwYXNz"}
+    accepted(handshake(port, {**basic, **key_protocols(live)}))
+    refused(handshake(port, {**basic, **key_protocols("nope")}), 401, "invalid_api_key", None)
+    refused(handshake(port, basic), 401, "invalid_api_key", None)
+    refused(handshake(port, {"Authorization": "Bearer"}), 401, "invalid_api_key", None)
     assert "no valid WebSocket credentials" in caplog.text, "the refusals are not in the log"
     assert "minted a WebSocket client key" in caplog.text, "the minting is not in the log"
     for secret in (TOKEN, live, expired, foreign):
