@@ -124,6 +124,9 @@ def _stack(tmp_path_factory, profile: str, token: str | None = None) -> Iterator
             http_port=0,
             log_level="WARNING",
             auth_token_file=token_file,
+            # No /metrics ports: fewer ports picked ahead of the start that another test may take.
+            decoder_metrics_port=-1,
+            materializer_metrics_port=-1,
         )
     )
     s.start()

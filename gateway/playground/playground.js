@@ -325,24 +325,31 @@
 
   // GET /v1/models; without it (404, older gateway), a free voice field
   // suggesting the voices /health reports, and the default sample rate.
+  // The token may change while a load is under way (cleared, then typed):
+  // only the latest load may change the page, whichever answer comes last.
+  let modelLoads = 0;
+
   async function loadModels() {
+    const load = ++modelLoads;
     try {
-      await fetchModels();
+      await fetchModels(() => load === modelLoads);
     } finally {
       live.ready = true;
     }
   }
 
-  async function fetchModels() {
+  async function fetchModels(latest) {
     let response;
     try {
       response = await fetch("/v1/models", { headers: authHeaders() });
     } catch (err) {
-      ui.server.textContent = `server unreachable: ${err.message}`;
+      if (latest()) ui.server.textContent = `server unreachable: ${err.message}`;
       return;
     }
+    if (!latest()) return;
     if (response.ok) {
       const body = await response.json();
+      if (!latest()) return;
       const models = (Array.isArray(body.data) ? body.data : []).filter(
         (m) => !Array.isArray(m.modalities) || m.modalities.includes("audio"),
       );
@@ -370,6 +377,7 @@
     try {
       const health = await fetch("/health");
       const body = await health.json();
+      if (!latest()) return;
       if (Array.isArray(body.voices)) voices = body.voices;
       if (!response.ok && response.status !== 401) {
         ui.server.textContent = `server ${body.status || health.status}`;
