@@ -7,7 +7,8 @@ name resolves to (gateway.replicas).
 Environment variables stand in for some options (the option wins):
 ``OMNI_GATEWAY_TLS_CERT``, ``OMNI_GATEWAY_TLS_KEY`` (TLS on gRPC and HTTP),
 ``OMNI_GATEWAY_TOKEN`` (the bearer token itself) and
-``OMNI_GATEWAY_TOKEN_FILE`` (a file holding it).
+``OMNI_GATEWAY_TOKEN_FILE`` (a file holding it), ``OMNI_GATEWAY_ALLOWED_ORIGINS``
+(the origins, besides the gateway's own, whose pages may open its WebSockets).
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import sys
 
 from gateway.app import GatewayConfig, serve_gateway
 from gateway.engine import DEFAULT_MAX_CONCURRENT
+from gateway.http_auth import parse_allowed_origins
 from gateway.replicas import (
     BALANCE_POLICIES,
     BALANCE_ROUND_ROBIN,
@@ -33,6 +35,7 @@ TLS_CERT_ENV = "OMNI_GATEWAY_TLS_CERT"
 TLS_KEY_ENV = "OMNI_GATEWAY_TLS_KEY"
 TOKEN_ENV = "OMNI_GATEWAY_TOKEN"
 TOKEN_FILE_ENV = "OMNI_GATEWAY_TOKEN_FILE"
+ALLOWED_ORIGINS_ENV = "OMNI_GATEWAY_ALLOWED_ORIGINS"
 
 
 def read_token_file(path: str) -> str:
@@ -129,6 +132,15 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         help="require 'authorization: Bearer <token>' on gRPC and HTTP (health excepted); the "
         f"file holds the token (env {TOKEN_FILE_ENV}, or the token itself in {TOKEN_ENV})",
     )
+    parser.add_argument(
+        "--allowed-origins",
+        action="append",
+        default=None,
+        metavar="ORIGIN[,ORIGIN...]",
+        help="origins besides the gateway's own whose pages may open its WebSockets: "
+        "scheme://host[:port], or * for any; repeat the option or separate with commas "
+        f"(env {ALLOWED_ORIGINS_ENV})",
+    )
     parser.add_argument("--grace-s", type=float, default=5.0, help="shutdown grace period")
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
@@ -146,6 +158,11 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         parser.error("--max-response-bytes must be >= 65536")
     if (args.tls_cert is None) != (args.tls_key is None):
         parser.error(f"--tls-cert and --tls-key ({TLS_CERT_ENV}/{TLS_KEY_ENV}) go together")
+    origins = args.allowed_origins or [os.environ.get(ALLOWED_ORIGINS_ENV, "")]
+    try:
+        allowed_origins = parse_allowed_origins(origins)
+    except InvalidArgumentError as exc:
+        parser.error(str(exc))
     token = None
     if args.auth_token_file:
         try:
@@ -169,6 +186,7 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         tls_cert=args.tls_cert,
         tls_key=args.tls_key,
         auth_token=token,
+        allowed_origins=allowed_origins,
     )
 
 

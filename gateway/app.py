@@ -7,7 +7,8 @@ parts and returns a handle, for tests and embedding.
 The gateway's grpc.health.v1 status starts NOT_SERVING and then follows its
 decoders' (`gateway.replicas.ReplicaPool`: SERVING while any replica is). With a TLS certificate both
 listeners (gRPC and HTTP) serve TLS; with a token both require it (health
-excepted).
+excepted; the HTTP WebSocket routes also take browser credentials and check
+``Origin``, `gateway.http_auth`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import grpc
 
 from gateway.engine import DEFAULT_MAX_CONCURRENT, GatewayEngine
 from gateway.health import DEFAULT_INTERVAL_S
+from gateway.http_auth import parse_allowed_origins
 from gateway.http_facade import HttpFacade
 from gateway.replicas import (
     BALANCE_ROUND_ROBIN,
@@ -73,6 +75,9 @@ class GatewayConfig:
     """PEM private key of `tls_cert`."""
     auth_token: str | None = None
     """Bearer token every client call must carry (health excepted); None = open."""
+    allowed_origins: Sequence[str] = ()
+    """Origins besides the gateway's own whose pages may open its WebSockets
+    (``scheme://host[:port]``, or ``*`` for any); see `gateway.http_auth`."""
     health_interval_s: float = DEFAULT_INTERVAL_S
     """Time between two health checks of each decoder."""
     decoder_balance: str = BALANCE_ROUND_ROBIN
@@ -90,6 +95,7 @@ class GatewayConfig:
             raise InvalidArgumentError("tls", "give both a certificate and its key, or neither")
         if self.auth_token is not None and not self.auth_token.strip():
             raise InvalidArgumentError("auth_token", "must not be empty")
+        self.allowed_origins = parse_allowed_origins(self.allowed_origins, "allowed_origins")
         Limits(max_text_chars=self.max_text_chars, max_response_bytes=self.max_response_bytes)
 
     @property
@@ -156,6 +162,7 @@ class GatewayConfig:
             engine,
             monitor=monitor,
             auth_token=self.auth_token,
+            allowed_origins=self.allowed_origins,
             ssl_context=self.http_ssl_context(),
         )
 

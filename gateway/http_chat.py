@@ -48,27 +48,25 @@ from aiohttp import web
 from gateway.audio import AUDIO_KEY, SAMPLE_RATE_KEY, pcm16le, wav_header
 from gateway.decoder_client import DecoderInfo
 from gateway.engine import GatewayEngine
-from gateway.http_facade import (
+from gateway.http_common import (
+    MAX_UINT32,
     REQUEST_ID_HEADER,
     SAMPLE_RATE_HEADER,
     error_response_for,
+    int_field,
     json_field,
+    model_id,
+    number_field,
     read_json,
     sse_event,
     start_sse,
     write_sse_error,
 )
-from gateway.http_models import model_id
-from gateway.http_speech import (
-    MAX_TEMPERATURE,
-    MAX_UINT32,
-    int_field,
-    number_field,
-)
 from gateway.output_processor import OutputKind
 from gateway.outputs import OmniRequestOutput
 from gateway.servicer import CLIENT_ERRORS
 from gateway.validation import (
+    MAX_TEMPERATURE,
     GenerationRequest,
     Limits,
     check_request_id,

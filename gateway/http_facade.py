@@ -20,187 +20,63 @@ Routes:
 * ``GET /v1/audio/speech/stream`` - a WebSocket: text in as it is written,
   audio out as each segment is spoken, cancel (barge-in) on the same call
   (`gateway.http_ws`, `gateway.speak_stream`).
+* ``POST /v1/realtime/client_secrets`` - a short-lived key for the
+  WebSocket routes, in OpenAI's client-secret shape (`gateway.http_auth`).
 * ``GET /`` and ``GET /playground/{name}`` - the playground page and its
   files (`gateway.http_playground`).
 
-With a token configured, every route but ``/health`` and the playground
-page (GET/HEAD of ``/`` and its files, static and holding no data: the page
-sends the token the user types to the API routes) needs
-``Authorization: Bearer <token>``; without it the answer is 401 in OpenAI's
-shape (code ``invalid_api_key``).
+Access (`gateway.http_auth`, one middleware): with a token configured,
+every route but ``/health`` and the playground page (GET/HEAD of ``/`` and
+its files, static and holding no data: the page sends the token the user
+types to the API routes) needs ``Authorization: Bearer <token>``; without it
+the answer is 401 in OpenAI's shape (code ``invalid_api_key``). The
+WebSocket routes also take a key in a ``Sec-WebSocket-Protocol`` entry (a
+browser can set no header), and refuse an ``Origin`` other than the
+gateway's own or a listed one (403), token or not.
 
 Errors use OpenAI's shape, ``{"error": {"message", "type", "param", "code"}}``,
 with the HTTP status derived from the gRPC code `grpc_code_for` gives, and
-the message from `public_message` (bounded, sanitized).
+the message from `public_message` (bounded, sanitized): the helpers are in
+`gateway.http_common`, which every endpoint module imports. This module
+imports the endpoints and routes to them; no endpoint imports it.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import json
 import logging
 import ssl
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Sequence
 
-import grpc
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway import metrics
 from gateway.engine import GatewayEngine
 from gateway.health import HealthState
-from gateway.http_playground import add_playground_routes, is_page_path
+from gateway.http_auth import (
+    CLIENT_SECRETS_ROUTE,
+    Access,
+    AllowedOrigins,
+    ClientKeys,
+    ClientSecretsEndpoint,
+)
+from gateway.http_chat import ChatEndpoint
+from gateway.http_common import error_response, route_label
+from gateway.http_models import ModelsEndpoint
+from gateway.http_playground import add_playground_routes
+from gateway.http_speech import SpeechEndpoint
+from gateway.http_ws import SpeechStreamEndpoint
 from gateway.servicer import CLIENT_ERRORS
-from gateway.validation import json_type_name
 from omni_common.errors import (
     INTERNAL_MESSAGE,
     FailedPreconditionError,
-    InvalidArgumentError,
-    OmniError,
-    grpc_code_for,
     public_message,
     quote_value,
 )
-from omni_common.server import bearer_token_matches
 
 logger = logging.getLogger(__name__)
-
-REQUEST_ID_HEADER = "X-Request-Id"
-SAMPLE_RATE_HEADER = "X-Sample-Rate"
-FINISH_REASON_HEADER = "X-Finish-Reason"
-
-# gRPC code -> (HTTP status, OpenAI error type).
-_HTTP_STATUS: dict[grpc.StatusCode, tuple[int, str]] = {
-    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
-    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
-    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
-    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error"),
-    grpc.StatusCode.ALREADY_EXISTS: (409, "invalid_request_error"),
-    grpc.StatusCode.ABORTED: (409, "invalid_request_error"),
-    grpc.StatusCode.PERMISSION_DENIED: (403, "invalid_request_error"),
-    grpc.StatusCode.UNAUTHENTICATED: (401, "invalid_request_error"),
-    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
-    grpc.StatusCode.UNAVAILABLE: (503, "server_error"),
-    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "server_error"),
-}
-
-
-def error_response(
-    status: int, message: str, *, type_: str, param: str | None, code: str | None
-) -> web.Response:
-    body = {"error": {"message": message, "type": type_, "param": param, "code": code}}
-    return web.json_response(body, status=status)
-
-
-def http_param(field: str | None, params: Mapping[str, str] | None = None) -> str | None:
-    """The HTTP field a client sent for an engine or decoder field name.
-
-    ``sampling_params.x`` is the body's ``x``; `params` renames the rest
-    (``text`` -> ``input`` for speech, ``prompt`` -> ``messages`` for chat).
-    """
-    if field is None:
-        return None
-    field = field.removeprefix("sampling_params.")
-    return (params or {}).get(field, field)
-
-
-def error_body(
-    exc: BaseException, params: Mapping[str, str] | None = None
-) -> tuple[int, dict[str, object]]:
-    """The HTTP status and OpenAI error object for an exception (gRPC code mapping)."""
-    code = grpc_code_for(exc)
-    status, type_ = _HTTP_STATUS.get(code, (500, "server_error"))
-    if status == 500:
-        logger.error("HTTP request failed", exc_info=exc)
-        code = grpc.StatusCode.INTERNAL
-        message = public_message(exc) if isinstance(exc, OmniError) else INTERNAL_MESSAGE
-    else:
-        logger.info("HTTP request refused: %s: %s", code.name, exc)
-        message = public_message(exc)
-    field = getattr(exc, "field", None)
-    param = http_param(field if isinstance(field, str) else None, params)
-    return status, {"message": message, "type": type_, "param": param, "code": code.name.lower()}
-
-
-def error_response_for(exc: BaseException, params: Mapping[str, str] | None = None) -> web.Response:
-    """OpenAI-shaped error for an exception, through the shared gRPC code mapping.
-
-    `params` maps engine and decoder field names to the request's (`http_param`).
-    """
-    status, error = error_body(exc, params)
-    return web.json_response({"error": error}, status=status)
-
-
-class InvalidBodyError(OmniError):
-    """The request body is not a JSON document (400, no ``param``)."""
-
-    code = grpc.StatusCode.INVALID_ARGUMENT
-
-
-async def read_json(request: web.Request) -> object:
-    """The request's JSON body (`InvalidBodyError` if it does not parse)."""
-    try:
-        return json.loads(await request.read())
-    except (ValueError, RecursionError) as exc:  # JSONDecodeError, bad UTF-8, deep nesting
-        reason = exc.msg if isinstance(exc, json.JSONDecodeError) else "cannot be decoded"
-        raise InvalidBodyError(f"body: not valid JSON: {reason}") from None
-
-
-def json_field(
-    body: Mapping[str, object], name: str, types: tuple[type, ...], default: object
-) -> object:
-    """`body[name]` if it has one of `types` (absent or null: `default`); else a 400 naming it.
-
-    `name` is the field as the client spells it (``audio.format``); the key
-    looked up is its last part.
-    """
-    value = body.get(name.rpartition(".")[2], default)
-    if value is None:
-        return default
-    # bool is an int: refuse it where a number is expected.
-    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-        wanted = " or ".join(dict.fromkeys(json_type_name(t()) for t in types))
-        raise InvalidArgumentError(name, f"must be a {wanted}, got {json_type_name(value)}")
-    return value
-
-
-async def start_sse(request: web.Request, headers: dict[str, str]) -> web.StreamResponse:
-    """A prepared ``text/event-stream`` response with `headers` (uncached)."""
-    headers["Content-Type"] = "text/event-stream"
-    headers["Cache-Control"] = "no-cache"
-    response = web.StreamResponse(headers=headers)
-    await response.prepare(request)
-    return response
-
-
-def sse_event(data: object) -> bytes:
-    """One server-sent event carrying `data` as JSON."""
-    return b"data: " + json.dumps(data, separators=(",", ":")).encode() + b"\n\n"
-
-
-async def write_sse_error(
-    response: web.StreamResponse, exc: BaseException, params: Mapping[str, str] | None = None
-) -> None:
-    """End an SSE stream that failed after its headers left: an error event, no more."""
-    _, error = error_body(exc, params)
-    with contextlib.suppress(ConnectionError, RuntimeError):  # the client may be gone
-        await response.write(sse_event({"type": "error", "error": error}))
-        await response.write_eof()
-
-
-UNAUTHORIZED_MESSAGE = (
-    "authorization: missing or invalid bearer token (header 'Authorization: Bearer …')"
-)
-
-
-def unauthorized_response() -> web.Response:
-    response = error_response(
-        401, UNAUTHORIZED_MESSAGE, type_="invalid_request_error", param=None, code="invalid_api_key"
-    )
-    response.headers["WWW-Authenticate"] = "Bearer"
-    return response
 
 
 class HttpFacade:
@@ -212,26 +88,28 @@ class HttpFacade:
         *,
         monitor: HealthState | None = None,
         auth_token: str | None = None,
+        allowed_origins: Sequence[str] = (),
         ssl_context: ssl.SSLContext | None = None,
     ) -> None:
         self._engine = engine
         self._monitor = monitor
         self._ssl_context = ssl_context
-        # Imported here: the endpoint modules use this module's helpers.
-        from gateway.http_chat import ChatEndpoint
-        from gateway.http_models import ModelsEndpoint
-        from gateway.http_speech import SpeechEndpoint
-        from gateway.http_ws import SpeechStreamEndpoint
-
+        keys = ClientKeys(auth_token)
+        access = Access(
+            token=auth_token,
+            keys=keys,
+            origins=AllowedOrigins(allowed_origins),
+            websocket_routes=[SpeechStreamEndpoint.route],
+        )
         # Outermost first: the metrics see the final status of every request.
-        middlewares = [_http_metrics, _openai_errors]
-        if auth_token is not None:
-            middlewares.append(_bearer_auth(auth_token))
-        self.app = web.Application(middlewares=middlewares)
+        self.app = web.Application(middlewares=[_http_metrics, _openai_errors, access.middleware])
         models = ModelsEndpoint(engine)
         self.app.router.add_post("/v1/audio/speech", SpeechEndpoint(engine).handle)
-        self.app.router.add_get("/v1/audio/speech/stream", SpeechStreamEndpoint(engine).handle)
+        self.app.router.add_get(
+            SpeechStreamEndpoint.route.path, SpeechStreamEndpoint(engine).handle
+        )
         self.app.router.add_post("/v1/chat/completions", ChatEndpoint(engine).handle)
+        self.app.router.add_post(CLIENT_SECRETS_ROUTE, ClientSecretsEndpoint(keys).handle)
         self.app.router.add_get("/v1/models", models.list)
         self.app.router.add_get("/v1/models/{model_id:.+}", models.get)
         self.app.router.add_get("/health", self.health)
@@ -296,24 +174,6 @@ class HttpFacade:
         return web.Response(body=generate_latest(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-def _bearer_auth(
-    token: str,
-) -> Callable[[web.Request, Callable[[web.Request], Awaitable[web.StreamResponse]]], Awaitable]:
-    @web.middleware
-    async def bearer_auth(request: web.Request, handler) -> web.StreamResponse:  # noqa: ANN001
-        """Every route but /health and the playground page needs ``Authorization: Bearer <token>``."""
-        if (
-            request.path == "/health"
-            or is_page_path(request.method, request.path)
-            or bearer_token_matches(request.headers.get("Authorization"), token)
-        ):
-            return await handler(request)
-        logger.info("refused %s %s: no valid bearer token", request.method, request.path)
-        return unauthorized_response()
-
-    return bearer_auth
-
-
 # HTTP status -> the gRPC code counted in omni_gateway_requests_total.
 _GRPC_CODE_OF_STATUS: dict[int, str] = {
     200: "OK",
@@ -331,12 +191,6 @@ _GRPC_CODE_OF_STATUS: dict[int, str] = {
 }
 CLIENT_CLOSED_STATUS = 499
 """Status counted for a request whose client went away before it was answered."""
-
-
-def route_label(request: web.Request) -> str:
-    """The route template of a request (``/v1/models/{model_id}``); "unmatched" for none."""
-    resource = request.match_info.route.resource
-    return resource.canonical if resource is not None else "unmatched"
 
 
 @web.middleware
@@ -393,19 +247,4 @@ async def _openai_errors(request: web.Request, handler) -> web.StreamResponse:  
         )
 
 
-__all__ = [
-    "FINISH_REASON_HEADER",
-    "REQUEST_ID_HEADER",
-    "SAMPLE_RATE_HEADER",
-    "HttpFacade",
-    "InvalidBodyError",
-    "error_body",
-    "error_response",
-    "error_response_for",
-    "http_param",
-    "json_field",
-    "read_json",
-    "route_label",
-    "sse_event",
-    "write_sse_error",
-]
+__all__ = ["CLIENT_CLOSED_STATUS", "HttpFacade"]

@@ -4,7 +4,9 @@ A deployment serves one model. Its card is OpenAI's model object (``id``,
 ``object``, ``created``, ``owned_by``) plus what a client needs to use it,
 from the decoder's `DecoderInfo`: ``profile``, ``modalities``, ``voices``,
 ``sample_rate_hz``, ``limits`` (every `DeploymentLimits` field) and
-``supports_instructions``. ``created`` is when this gateway started.
+``supports_instructions``. ``created`` is when this gateway started. The id
+is `gateway.http_common.model_id` (the decoder's model name, or
+``omni-serving``), the one chat completions answer with.
 """
 
 from __future__ import annotations
@@ -16,18 +18,11 @@ from google.protobuf.descriptor import FieldDescriptor
 
 from gateway.decoder_client import DecoderInfo
 from gateway.engine import GatewayEngine
-from gateway.http_facade import error_response, error_response_for
+from gateway.http_common import error_response, error_response_for, model_id
 from gateway.servicer import CLIENT_ERRORS
 from omni_common.errors import quote_value
 
-DEFAULT_MODEL_ID = "omni-serving"
-"""The model's id when the decoder does not name it."""
 OWNED_BY = "omni-serving"
-
-
-def model_id(info: DecoderInfo) -> str:
-    """The id clients see: the decoder's model name, or `DEFAULT_MODEL_ID`."""
-    return info.model or DEFAULT_MODEL_ID
 
 
 def limits_json(info: DecoderInfo) -> dict[str, float | int]:
@@ -88,4 +83,4 @@ class ModelsEndpoint:
         return web.json_response(model_card(info, self._created))
 
 
-__all__ = ["DEFAULT_MODEL_ID", "ModelsEndpoint", "limits_json", "model_card", "model_id"]
+__all__ = ["OWNED_BY", "ModelsEndpoint", "limits_json", "model_card"]

@@ -34,7 +34,6 @@ from __future__ import annotations
 import base64
 import contextlib
 import logging
-import math
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 
@@ -42,12 +41,15 @@ from aiohttp import web
 
 from gateway.audio import AudioChunk, flac_bytes, wav_header
 from gateway.engine import GatewayEngine
-from gateway.http_facade import (
+from gateway.http_common import (
     FINISH_REASON_HEADER,
+    MAX_UINT32,
     REQUEST_ID_HEADER,
     SAMPLE_RATE_HEADER,
     error_response_for,
+    int_field,
     json_field,
+    number_field,
     read_json,
     sse_event,
     start_sse,
@@ -55,6 +57,7 @@ from gateway.http_facade import (
 )
 from gateway.servicer import CLIENT_ERRORS
 from gateway.validation import (
+    MAX_TEMPERATURE,
     Limits,
     SpeechRequest,
     check_instructions,
@@ -72,8 +75,6 @@ RESPONSE_FORMATS = ("wav", "pcm", "flac")
 DEFAULT_RESPONSE_FORMAT = "wav"
 STREAM_FORMATS = ("audio", "sse")
 SPEED_RANGE = (0.25, 4.0)
-MAX_TEMPERATURE = 2.0
-MAX_UINT32 = 2**32 - 1
 _CONTENT_TYPES = {"pcm": "audio/pcm", "wav": "audio/wav", "flac": "audio/flac"}
 
 # Decoder and engine field names -> the HTTP field a client sent.
@@ -88,35 +89,6 @@ class SpeechCall:
     response_format: str
     stream: bool
     stream_format: str
-
-
-def number_field(
-    body: Mapping[str, object], name: str, low: float, high: float, note: str = ""
-) -> float | None:
-    """An optional finite number in [low, high]."""
-    value = json_field(body, name, (int, float), None)
-    if value is None:
-        return None
-    assert isinstance(value, (int, float))
-    # An integer too large for a float is out of range too (math.isfinite would overflow).
-    if not (abs(value) < 1e300 and math.isfinite(value) and low <= value <= high):
-        raise InvalidArgumentError(
-            name, f"must be a number in [{low:g}, {high:g}]{note}, got {quote_value(value)}"
-        )
-    return float(value)
-
-
-def int_field(body: Mapping[str, object], name: str, low: int, high: int) -> int | None:
-    """An optional integer in [low, high]."""
-    value = json_field(body, name, (int,), None)
-    if value is None:
-        return None
-    assert isinstance(value, int)
-    if not low <= value <= high:
-        raise InvalidArgumentError(
-            name, f"must be an integer in [{low}, {high}], got {quote_value(value)}"
-        )
-    return value
 
 
 def speech_call_from_json(body: object, limits: Limits, request_id: str | None) -> SpeechCall:

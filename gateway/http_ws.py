@@ -30,7 +30,10 @@ Gateway → client:
 The call holds one `--max-concurrent` slot from the upgrade to the close; a
 gateway at its limit answers the upgrade request itself with HTTP 429. A
 client that closes the socket (or whose connection drops) gets everything
-aborted. Bearer-token auth is the facade's, on the upgrade request.
+aborted. Access is checked on the upgrade request, before this handler
+runs (`gateway.http_auth`): the ``Authorization`` header, or a key in a
+``Sec-WebSocket-Protocol`` entry offered beside ``omni-speech-stream``
+(`PROTOCOL`, the name the handshake echoes), and ``Origin``.
 """
 
 from __future__ import annotations
@@ -43,7 +46,13 @@ from collections.abc import AsyncGenerator, Mapping
 from aiohttp import WSCloseCode, WSMsgType, web
 
 from gateway.engine import GatewayEngine
-from gateway.http_facade import error_body, error_response, error_response_for, json_field
+from gateway.http_common import (
+    WebSocketRoute,
+    error_body,
+    error_response,
+    error_response_for,
+    json_field,
+)
 from gateway.servicer import CLIENT_ERRORS
 from gateway.speak_stream import (
     ClientGone,
@@ -71,6 +80,8 @@ from omni_serving.v1 import common_pb2
 logger = logging.getLogger(__name__)
 
 ROUTE = "/v1/audio/speech/stream"
+PROTOCOL = "omni-speech-stream"
+"""The subprotocol name of this route, echoed when a client offers it (with a key beside it)."""
 RESPONSE_FORMATS = ("pcm",)
 CONFIG_FIELDS = (
     "type",
@@ -177,11 +188,15 @@ def _close_code(status: int) -> int:
 class SpeechStreamEndpoint:
     """The WebSocket handler over one `GatewayEngine`."""
 
+    route = WebSocketRoute(ROUTE, (PROTOCOL,))
+
     def __init__(self, engine: GatewayEngine) -> None:
         self._engine = engine
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        ws = web.WebSocketResponse(heartbeat=HEARTBEAT_S, max_msg_size=MAX_MESSAGE_BYTES)
+        ws = web.WebSocketResponse(
+            protocols=self.route.protocols, heartbeat=HEARTBEAT_S, max_msg_size=MAX_MESSAGE_BYTES
+        )
         if not ws.can_prepare(request).ok:
             return error_response(
                 426,
@@ -271,6 +286,7 @@ async def _send(ws: web.WebSocketResponse, call: SpeakStreamCall, event: StreamE
 
 
 __all__ = [
+    "PROTOCOL",
     "ROUTE",
     "SpeechStreamEndpoint",
     "client_message_from_json",

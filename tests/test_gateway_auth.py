@@ -355,17 +355,45 @@ def test_python_m_gateway_tls_and_token_from_env_and_file(
         (["--tls-cert", "/x.pem"], {}, "--tls-cert and --tls-key"),
         ([], {"OMNI_GATEWAY_TLS_KEY": "/k.pem"}, "--tls-cert and --tls-key"),
         (["--auth-token-file", "/nonexistent/token"], {}, "--auth-token-file"),
+        (["--allowed-origins", "https://app.example/"], {}, "--allowed-origins: "),
+        ([], {"OMNI_GATEWAY_ALLOWED_ORIGINS": "app.example"}, "--allowed-origins: "),
     ],
 )
-def test_bad_access_options_are_refused(args, env, message, monkeypatch) -> None:
+def test_bad_access_options_are_refused(args, env, message, monkeypatch, capsys) -> None:
     from gateway.__main__ import parse_args
 
-    for name in ("OMNI_GATEWAY_TLS_CERT", "OMNI_GATEWAY_TLS_KEY", "OMNI_GATEWAY_TOKEN"):
+    for name in ACCESS_ENV:
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     with pytest.raises(SystemExit):
         parse_args(["--listen", "127.0.0.1:0", "--decoder", "unix:///d.sock", *args])
+    assert message in capsys.readouterr().err
+
+
+ACCESS_ENV = (
+    "OMNI_GATEWAY_TLS_CERT",
+    "OMNI_GATEWAY_TLS_KEY",
+    "OMNI_GATEWAY_TOKEN",
+    "OMNI_GATEWAY_TOKEN_FILE",
+    "OMNI_GATEWAY_ALLOWED_ORIGINS",
+)
+
+
+def test_allowed_origins_from_the_option_or_the_environment(monkeypatch) -> None:
+    from gateway.__main__ import parse_args
+
+    for name in ACCESS_ENV:
+        monkeypatch.delenv(name, raising=False)
+    base = ["--listen", "127.0.0.1:0", "--decoder", "unix:///d.sock"]
+    assert parse_args(base).allowed_origins == ()
+    monkeypatch.setenv("OMNI_GATEWAY_ALLOWED_ORIGINS", "https://a.example, http://b.example:81")
+    assert parse_args(base).allowed_origins == ("https://a.example", "http://b.example:81")
+    # The option wins; it may be repeated.
+    args = [*base, "--allowed-origins", "https://c.example:443", "--allowed-origins", "*"]
+    assert parse_args(args).allowed_origins == ("https://c.example", "*")
+    with pytest.raises(InvalidArgumentError, match="allowed_origins"):
+        GatewayConfig(listen="127.0.0.1:0", decoder="unix:///d.sock", allowed_origins=["x"])
 
 
 def test_unreadable_certificate_is_refused_before_serving(decoder: FakeDecoder, sock_dir) -> None:

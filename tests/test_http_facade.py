@@ -321,3 +321,35 @@ def test_http_hostile_bodies_are_400(gateway: GatewayThread, body: bytes, param)
     assert response.status_code == 400, response.content[:300]
     error = response.json()["error"]
     assert error["param"] == param and len(error["message"]) <= 512, error
+
+
+HTTP_ENDPOINTS = ("http_speech", "http_chat", "http_ws", "http_models")
+
+
+def _gateway_imports(module: str) -> set[str]:
+    """The ``gateway.*`` modules a gateway module imports, anywhere in it (ast, not run)."""
+    import ast
+
+    path = Path(__file__).parents[1] / "gateway" / f"{module}.py"
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+        elif isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        else:
+            continue
+        found.update(n.split(".")[1] for n in names if n.startswith("gateway.") and "." in n)
+    return found
+
+
+def test_http_modules_import_downward_only() -> None:
+    """The facade imports the endpoints; the endpoints share `http_common`, never each other."""
+    facade = _gateway_imports("http_facade")
+    assert set(HTTP_ENDPOINTS) <= facade, f"the facade routes to every endpoint: {facade=}"
+    assert "http_facade" not in _gateway_imports("http_common")
+    for endpoint in HTTP_ENDPOINTS:
+        imported = _gateway_imports(endpoint)
+        upward = imported & {"http_facade", "app", *HTTP_ENDPOINTS}
+        assert not upward, f"{endpoint} imports {sorted(upward)}; share through http_common"
+        assert "http_common" in imported, f"{endpoint} does not use http_common: {imported=}"

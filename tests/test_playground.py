@@ -5,6 +5,9 @@ the page; the browser types text, clicks Speak and streams the audio through
 Web Audio. The test compares what the page received with what
 ``/v1/audio/speech`` returns for the same request, checks the TTFP figure in
 the DOM, and saves a screenshot (``$OMNI_TEST_ARTIFACTS`` or pytest's tmp_path).
+The stream mode (text in over the WebSocket) runs on an open stack and on a
+token-protected one, where the page mints a key for the WebSocket; pages
+served from two other origins check the gateway's ``Origin`` rule.
 
 Without /usr/bin/chromium, /usr/bin/chromedriver or selenium the browser
 tests skip, except under ``CI=true`` where they fail.
@@ -12,23 +15,30 @@ tests skip, except under ``CI=true`` where they fail.
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import functools
 import http.client
+import http.server
 import json
 import os
 import re
 import shutil
 import tempfile
+import threading
 import tomllib
 from collections.abc import Iterator
 from decimal import ROUND_HALF_UP, Decimal
 from fnmatch import fnmatch
 from pathlib import Path
 
+import aiohttp
 import pytest
 from fakes import FakeDecoder, FakeDecoderConfig, GatewayThread
 
+from gateway.http_auth import KEY_PROTOCOL_PREFIX, ClientKeys
 from gateway.http_playground import PLAYGROUND_DIR
+from gateway.http_ws import PROTOCOL, ROUTE
 from omni_cli.launcher import Stack, StackConfig
 
 CHROMIUM = Path("/usr/bin/chromium")
@@ -53,7 +63,8 @@ LIVE = (
     "const p = window.playground; return p && {state: p.state, ready: p.ready,"
     " samplesReceived: p.samplesReceived, bytesReceived: p.bytesReceived, ttfpMs: p.ttfpMs,"
     " rtf: p.rtf, sampleRate: p.sampleRate, error: p.error, mode: p.mode,"
-    " scheduledSeconds: p.scheduledSeconds, transcript: p.transcript};"
+    " scheduledSeconds: p.scheduledSeconds, transcript: p.transcript, segments: p.segments,"
+    " protocol: p.protocol};"
 )
 
 
@@ -97,9 +108,13 @@ def browser():
         shutil.rmtree(profile, ignore_errors=True)
 
 
-def _stack(tmp_path_factory, profile: str) -> Iterator[Stack]:
+def _stack(tmp_path_factory, profile: str, token: str | None = None) -> Iterator[Stack]:
     _require_browser()  # no services started for a test that will skip
     runtime = tmp_path_factory.mktemp("rt")
+    token_file = ""
+    if token is not None:
+        token_file = str(tmp_path_factory.mktemp("token") / "token")
+        Path(token_file).write_text(token)
     s = Stack(
         StackConfig(
             profile=profile,
@@ -108,6 +123,10 @@ def _stack(tmp_path_factory, profile: str) -> Iterator[Stack]:
             port=0,
             http_port=0,
             log_level="WARNING",
+            auth_token_file=token_file,
+            # No /metrics ports: fewer ports picked ahead of the start that another test may take.
+            decoder_metrics_port=-1,
+            materializer_metrics_port=-1,
         )
     )
     s.start()
@@ -125,6 +144,12 @@ def stack(tmp_path_factory) -> Iterator[Stack]:
 def omni_stack(tmp_path_factory) -> Iterator[Stack]:
     """The omni profile: text and audio, for the chat mode."""
     yield from _stack(tmp_path_factory, "omni")
+
+
+@pytest.fixture(scope="module")
+def token_stack(tmp_path_factory) -> Iterator[Stack]:
+    """The speech (tts) profile behind a token."""
+    yield from _stack(tmp_path_factory, "tts", token=TOKEN)
 
 
 def _post_speech(port: int, body: dict, token: str | None = None) -> tuple[int, bytes]:
@@ -473,3 +498,238 @@ def test_page_files_ship_and_stay_on_the_origin() -> None:
         assert any(fnmatch(f"playground/{name}", pat) for pat in patterns), (name, patterns)
         text = (PLAYGROUND_DIR / name).read_text()
         assert not re.search(r"\w+://|(?:src|href)=\"//|url\(", text), f"{name} names a URL"
+
+
+# ---------------------------------------------------------------------------
+# Stream mode: the text-in WebSocket, with and without a token.
+
+
+def _stream_reference(
+    port: int, text: str, *, voice: str, seed: int, token: str | None = None
+) -> tuple[int, list[str]]:
+    """(PCM bytes, segment texts) of a WebSocket call read with aiohttp (bearer header)."""
+
+    async def run() -> tuple[int, list[str]]:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        url = f"http://127.0.0.1:{port}{ROUTE}"
+        audio, segments = 0, []
+        async with (
+            aiohttp.ClientSession() as session,
+            session.ws_connect(url, headers=headers) as ws,
+        ):
+            config = {"type": "config", "response_format": "pcm", "voice": voice, "seed": seed}
+            await ws.send_json(config)
+            await ws.send_json({"type": "text", "text": text})
+            await ws.send_json({"type": "end"})
+            async for message in ws:
+                if message.type is aiohttp.WSMsgType.BINARY:
+                    audio += len(message.data)
+                    continue
+                event = json.loads(message.data)
+                assert event["type"] != "error", event
+                if event["type"] == "segment.start":
+                    segments.append(event["text"])
+        return audio, segments
+
+    return asyncio.run(run())
+
+
+def _requests_counted(port: int, api: str, status: str, token: str | None = None) -> float:
+    """``omni_gateway_http_requests_total{api, status}`` of a gateway process (0 when absent)."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+    try:
+        conn.request(
+            "GET", "/metrics", headers={"Authorization": f"Bearer {token}"} if token else {}
+        )
+        text = conn.getresponse().read().decode()
+    finally:
+        conn.close()
+    line = re.search(
+        rf'^omni_gateway_http_requests_total\{{api="{re.escape(api)}",status="{status}"\}} (\S+)$',
+        text,
+        re.MULTILINE,
+    )
+    return float(line.group(1)) if line else 0.0
+
+
+def _select_mode(driver, mode: str) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    Select(driver.find_element(By.ID, "mode")).select_by_value(mode)
+
+
+def _check_stream(live: dict, port: int, token: str | None) -> None:
+    """The page's stream-mode call got what the same call over aiohttp gets."""
+    assert live["state"] == "done" and live["error"] is None and live["mode"] == "stream", live
+    assert live["protocol"] == PROTOCOL, f"echoed {live['protocol']!r}, want {PROTOCOL!r}"
+    audio, segments = _stream_reference(port, TEXT, voice=VOICE, seed=SEED, token=token)
+    assert audio > 0 and len(segments) >= 2, (audio, segments)
+    assert live["bytesReceived"] == audio, f"{live=} {audio=}"
+    assert live["samplesReceived"] == audio // 2 and live["segments"] == len(segments), live
+    assert live["scheduledSeconds"] == pytest.approx(audio / 2 / 24000, abs=1e-6), live
+    assert live["transcript"] == " ".join(segments), (live["transcript"], segments)
+
+
+@pytest.mark.e2e
+def test_stream_mode_on_an_open_gateway(browser, stack: Stack) -> None:
+    from selenium.webdriver.common.by import By
+
+    _open(browser, stack.http_url)
+    _select_mode(browser, "stream")
+    assert browser.find_element(By.ID, "transcript-label").text == "Segments spoken"
+    _fill(browser, TEXT, voice=VOICE, seed=str(SEED))
+    live = _speak_and_wait(browser)
+    _check_stream(live, stack.cfg.http_port, None)
+    assert re.fullmatch(r"\d+ ms", browser.find_element(By.ID, "ttfp").text)
+    # Nothing to mint without a token.
+    assert _requests_counted(stack.cfg.http_port, "/v1/realtime/client_secrets", "200") == 0
+
+
+@pytest.mark.e2e
+def test_playground_behind_a_token(browser, token_stack: Stack, tmp_path: Path) -> None:
+    """Speech over HTTP and text in over the WebSocket, the token typed once."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.common.keys import Keys
+
+    port = token_stack.cfg.http_port
+    mint_api, ws_api = "/v1/realtime/client_secrets", ROUTE
+    _open(browser, token_stack.http_url)
+    _select_mode(browser, "stream")
+    token = browser.find_element(By.ID, "token")
+    # A wrong token: the page cannot mint a key and shows the server's 401.
+    token.send_keys("wrong" + Keys.TAB)
+    _fill(browser, TEXT)
+    live = _speak_and_wait(browser)
+    assert live["state"] == "error" and live["samplesReceived"] == 0, live
+    assert live["error"].startswith("HTTP 401: ") and "invalid_api_key" in live["error"], live
+    assert _requests_counted(port, ws_api, "101", TOKEN) == 0
+
+    token.clear()
+    token.send_keys(TOKEN + Keys.TAB)  # reloads the models: the voices are listed now
+    _wait(
+        browser,
+        lambda d: d.find_element(By.ID, "voice-select").is_displayed(),
+        20,
+        "the voices of the model list",
+    )
+    _fill(browser, TEXT, voice=VOICE, seed=str(SEED))
+    minted = _requests_counted(port, mint_api, "200", TOKEN)
+    live = _speak_and_wait(browser)
+    shot = _artifact_dir(tmp_path) / "playground-stream-token.png"
+    browser.save_screenshot(str(shot))
+    print(f"playground stream screenshot: {shot}")
+    _check_stream(live, port, TOKEN)
+    # One key minted for the one WebSocket, which the gateway accepted.
+    assert _requests_counted(port, mint_api, "200", TOKEN) == minted + 1
+    assert _requests_counted(port, ws_api, "101", TOKEN) == 2  # the page's and the reference's
+
+    _select_mode(browser, "speech")
+    live = _speak_and_wait(browser)
+    status, pcm = _post_speech(
+        port,
+        {"model": "omni-serving", "input": TEXT, "voice": VOICE, "response_format": "pcm",
+         "stream": True, "seed": SEED},
+        token=TOKEN,
+    )  # fmt: skip
+    assert status == 200 and live["state"] == "done" and live["error"] is None, live
+    assert live["samplesReceived"] == len(pcm) // 2 > 0, f"{live=} {len(pcm)=}"
+
+
+class _PageServer:
+    """A blank page on its own origin (host:port), for the Origin checks."""
+
+    def __init__(self, directory: Path, host: str) -> None:
+        handler = functools.partial(http.server.SimpleHTTPRequestHandler, directory=str(directory))
+        handler.log_message = lambda *args: None  # type: ignore[method-assign]
+        self.server = http.server.ThreadingHTTPServer((host, 0), handler)
+        self.origin = f"http://{host}:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+_OPEN_WEBSOCKET = """
+const [url, protocols, done] = arguments;
+const ws = new WebSocket(url, protocols);
+ws.onopen = () => { const protocol = ws.protocol; ws.close(); done({opened: true, protocol}); };
+ws.onclose = (event) => done({opened: false, code: event.code});
+"""
+
+
+@pytest.mark.e2e
+def test_websocket_origin_in_a_browser(browser, sock_dir: Path, tmp_path: Path) -> None:
+    """A listed origin's page opens the WebSocket with a minted key; another's is refused."""
+    (tmp_path / "index.html").write_text("<!doctype html><title>elsewhere</title>")
+    allowed, other = _PageServer(tmp_path, "127.0.0.1"), _PageServer(tmp_path, "127.0.0.2")
+    try:
+        with (
+            FakeDecoder(sock_dir / "decoder.sock") as fake,
+            GatewayThread(
+                fake.target,
+                sock_dir,
+                http_host="127.0.0.1",
+                http_port=0,
+                auth_token=TOKEN,
+                allowed_origins=(allowed.origin,),
+            ) as gw,
+        ):
+            url = f"ws://127.0.0.1:{gw.http_port}{ROUTE}"
+            key, _ = ClientKeys(TOKEN).mint(60)  # as the page's own server would mint it
+            protocols = [PROTOCOL, KEY_PROTOCOL_PREFIX + key]
+            browser.set_script_timeout(20)
+            results, forbidden = {}, []
+            for page in (allowed, other):
+                browser.get(f"{page.origin}/")
+                before = _forbidden_upgrades()
+                results[page.origin] = browser.execute_async_script(_OPEN_WEBSOCKET, url, protocols)
+                forbidden.append(_forbidden_upgrades() - before)
+    finally:
+        allowed.close()
+        other.close()
+    assert results[allowed.origin] == {"opened": True, "protocol": PROTOCOL}, results
+    assert results[other.origin]["opened"] is False, results
+    # The browser hides why; the gateway (in this process) counted a 403 for the other page only.
+    assert forbidden == [0, 1], f"403s per page: {forbidden}"
+
+
+def _forbidden_upgrades() -> float:
+    """403 answers of the WebSocket route in this process's metrics (a `GatewayThread`)."""
+    from prometheus_client import REGISTRY
+
+    labels = {"api": ROUTE, "status": "403"}
+    return REGISTRY.get_sample_value("omni_gateway_http_requests_total", labels) or 0.0
+
+
+def _docs_javascript() -> str:
+    """The one JavaScript block of docs/gateway.md (Browsers and WebSockets)."""
+    text = (Path(__file__).parents[1] / "docs" / "gateway.md").read_text()
+    blocks = re.findall(r"^```js\n(.*?)^```$", text, re.MULTILINE | re.DOTALL)
+    assert len(blocks) == 1, f"want one js block in docs/gateway.md, found {len(blocks)}"
+    return blocks[0]
+
+
+@pytest.mark.e2e
+def test_the_docs_javascript_works_as_written(browser, token_stack: Stack) -> None:
+    _open(browser, token_stack.http_url)  # a page of the gateway's own origin
+    script = (
+        _docs_javascript()
+        + """
+const [gateway, token, text, done] = arguments;
+mintKey(gateway, token)
+  .then((key) => speakOverWebSocket(gateway, key, text))
+  .then(
+    (r) => done({samples: r.chunks.reduce((n, c) => n + c.length, 0), rate: r.rate,
+                 seconds: r.seconds}),
+    (err) => done({error: String(err)}),
+  );
+"""
+    )
+    browser.set_script_timeout(60)
+    got = browser.execute_async_script(script, token_stack.http_url, TOKEN, TEXT)
+    assert "error" not in got and got["rate"] == 24000, got
+    assert got["samples"] > 0 and got["samples"] == pytest.approx(got["seconds"] * 24000, abs=1)
+    wrong = browser.execute_async_script(script, token_stack.http_url, "wrong", TEXT)
+    assert wrong == {"error": "Error: client_secrets: HTTP 401"}, wrong

@@ -1,5 +1,6 @@
-// omni-serving playground: streams /v1/audio/speech (raw PCM16LE) into Web Audio
-// while it arrives. Plain script, no build step, same-origin requests only.
+// omni-serving playground: streams /v1/audio/speech (raw PCM16LE), chat
+// completions or the text-in WebSocket into Web Audio while it arrives.
+// Plain script, no build step, same-origin requests only.
 "use strict";
 
 (() => {
@@ -7,6 +8,13 @@
   const FALLBACK_MODEL = "omni-serving";
   const START_LEAD_S = 0.05; // scheduling head room when playback (re)starts
   const PEAK_BLOCK_S = 0.005; // one waveform column per 5 ms of audio
+  const STREAM_ROUTE = "/v1/audio/speech/stream";
+  const STREAM_PROTOCOL = "omni-speech-stream"; // the name the gateway echoes
+  // A browser WebSocket cannot send Authorization: the key rides in a
+  // subprotocol entry, as OpenAI's browser clients send it. It is a key
+  // minted for this one connection, never the token itself.
+  const KEY_PROTOCOL_PREFIX = "openai-insecure-api-key.";
+  const KEY_SECONDS = 10; // the shortest the gateway mints: it only has to last until the handshake
 
   // Live figures, read by tests (and handy in the console).
   const live = {
@@ -20,9 +28,11 @@
     error: null,
     models: null, // the /v1/models list, or null when the server has none
     ready: false, // the model list (or its fallback) is loaded
-    mode: "speech", // speech | chat
+    mode: "speech", // speech | chat | stream
     scheduledSeconds: 0, // audio handed to Web Audio
-    transcript: "", // chat mode: the reply's text
+    transcript: "", // chat mode: the reply's text; stream mode: the segments spoken
+    segments: 0, // stream mode: segments started
+    protocol: null, // stream mode: the subprotocol the gateway echoed
   };
   window.playground = live;
 
@@ -48,6 +58,7 @@
     rate: $("rate"),
     canvas: $("waveform"),
     chatPanel: $("chat-panel"),
+    transcriptLabel: $("transcript-label"),
     transcript: $("transcript"),
   };
 
@@ -254,21 +265,27 @@
     ui.rate.textContent = `${live.sampleRate} Hz`;
   }
 
-  // An OpenAI-shaped error body, {"error": {"message", "type", "param", "code"}}, as text.
+  // OpenAI's error object, {"message", "type", "param", "code"}, as text.
+  function errorObjectText(err) {
+    const tags = [err.type, err.code, err.param && `param: ${err.param}`].filter(Boolean);
+    return tags.length ? `${err.message}\n(${tags.join(", ")})` : err.message;
+  }
+
+  // An OpenAI-shaped error body, {"error": {...}}, as text.
   async function errorText(response) {
     const raw = await response.text();
     let detail = raw.slice(0, 500) || response.statusText;
     try {
       const err = JSON.parse(raw).error;
-      if (err && typeof err.message === "string") {
-        const tags = [err.type, err.code, err.param && `param: ${err.param}`].filter(Boolean);
-        detail = tags.length ? `${err.message}\n(${tags.join(", ")})` : err.message;
-      }
+      if (err && typeof err.message === "string") detail = errorObjectText(err);
     } catch (_) {
       // not JSON: show the text as it is
     }
     return `HTTP ${response.status}: ${detail}`;
   }
+
+  // A failure the server explained: its text is shown as it is.
+  class ServerError extends Error {}
 
   function authHeaders() {
     const token = ui.token.value.trim();
@@ -289,7 +306,7 @@
     // Chat needs a model that writes text too.
     const chat = ui.mode.querySelector('option[value="chat"]');
     chat.disabled = Boolean(model && Array.isArray(model.modalities) && !model.modalities.includes("text"));
-    chat.title = chat.disabled ? "this model produces no text" : "";
+    chat.title = chat.disabled ? "this model produces no text" : "POST /v1/chat/completions";
     if (chat.disabled && ui.mode.value === "chat") {
       ui.mode.value = "speech";
       showMode();
@@ -308,24 +325,31 @@
 
   // GET /v1/models; without it (404, older gateway), a free voice field
   // suggesting the voices /health reports, and the default sample rate.
+  // The token may change while a load is under way (cleared, then typed):
+  // only the latest load may change the page, whichever answer comes last.
+  let modelLoads = 0;
+
   async function loadModels() {
+    const load = ++modelLoads;
     try {
-      await fetchModels();
+      await fetchModels(() => load === modelLoads);
     } finally {
       live.ready = true;
     }
   }
 
-  async function fetchModels() {
+  async function fetchModels(latest) {
     let response;
     try {
       response = await fetch("/v1/models", { headers: authHeaders() });
     } catch (err) {
-      ui.server.textContent = `server unreachable: ${err.message}`;
+      if (latest()) ui.server.textContent = `server unreachable: ${err.message}`;
       return;
     }
+    if (!latest()) return;
     if (response.ok) {
       const body = await response.json();
+      if (!latest()) return;
       const models = (Array.isArray(body.data) ? body.data : []).filter(
         (m) => !Array.isArray(m.modalities) || m.modalities.includes("audio"),
       );
@@ -353,6 +377,7 @@
     try {
       const health = await fetch("/health");
       const body = await health.json();
+      if (!latest()) return;
       if (Array.isArray(body.voices)) voices = body.voices;
       if (!response.ok && response.status !== 401) {
         ui.server.textContent = `server ${body.status || health.status}`;
@@ -407,6 +432,14 @@
     return { url: "/v1/chat/completions", body: withSeed(body) };
   }
 
+  // The first message of a WebSocket call; the text follows it in pieces.
+  function streamRequest() {
+    const config = { type: "config", response_format: "pcm" };
+    const voice = currentVoice();
+    if (voice) config.voice = voice;
+    return { config: withSeed(config), text: ui.text.value };
+  }
+
   // Raw PCM16LE body: every network chunk is audio.
   async function readPcm(response, onAudio) {
     const reader = response.body.getReader();
@@ -458,20 +491,110 @@
     }
   }
 
+  // POST a speech or chat request and play its stream; false when the server refused it.
+  async function postAndPlay(request, chat, ctx, onAudio, onText) {
+    const response = await fetch(request.url, {
+      method: "POST",
+      headers: { "Content-Type": "application/json", ...authHeaders() },
+      body: request.body,
+      signal: controller.signal,
+    });
+    if (!response.ok) throw new ServerError(await errorText(response));
+    const rate = Number.parseInt(response.headers.get("X-Sample-Rate") || "", 10);
+    live.sampleRate = Number.isInteger(rate) && rate > 0 ? rate : live.sampleRate;
+    waveform.reset(live.sampleRate);
+    player = new StreamPlayer(ctx, live.sampleRate);
+    setState("streaming");
+    if (chat) await readChatEvents(response, onAudio, onText);
+    else await readPcm(response, onAudio);
+  }
+
+  // A key for one WebSocket connection, minted with the token the user typed
+  // (POST /v1/realtime/client_secrets); null without a token.
+  async function websocketKey() {
+    if (!ui.token.value.trim()) return null;
+    const response = await fetch("/v1/realtime/client_secrets", {
+      method: "POST",
+      headers: { "Content-Type": "application/json", ...authHeaders() },
+      body: JSON.stringify({ expires_after: { anchor: "created_at", seconds: KEY_SECONDS } }),
+      signal: controller.signal,
+    });
+    if (!response.ok) throw new ServerError(await errorText(response));
+    return (await response.json()).value;
+  }
+
+  // GET /v1/audio/speech/stream: the config, the text word by word (as a
+  // language model would write it), end; audio arrives per segment.
+  async function streamAndPlay(request, ctx, onAudio, onText) {
+    const key = await websocketKey();
+    const protocols = key ? [STREAM_PROTOCOL, KEY_PROTOCOL_PREFIX + key] : [STREAM_PROTOCOL];
+    const scheme = location.protocol === "https:" ? "wss:" : "ws:";
+    const ws = new WebSocket(`${scheme}//${location.host}${STREAM_ROUTE}`, protocols);
+    ws.binaryType = "arraybuffer";
+    await new Promise((resolve, reject) => {
+      let opened = false;
+      let ended = false;
+      let failure = null;
+      const onAbort = () => {
+        ws.close(1000);
+        reject(new DOMException("stopped", "AbortError"));
+      };
+      controller.signal.addEventListener("abort", onAbort, { once: true });
+      ws.onopen = () => {
+        opened = true;
+        live.protocol = ws.protocol;
+        ws.send(request.config);
+        for (const piece of request.text.match(/\S+\s*|\s+/g) || []) {
+          ws.send(JSON.stringify({ type: "text", text: piece }));
+        }
+        ws.send(JSON.stringify({ type: "end" }));
+      };
+      ws.onmessage = (event) => {
+        if (typeof event.data !== "string") {
+          onAudio(new Uint8Array(event.data));
+          return;
+        }
+        const message = JSON.parse(event.data);
+        if (message.type === "ready") {
+          live.sampleRate = message.sample_rate;
+          waveform.reset(live.sampleRate);
+          player = new StreamPlayer(ctx, live.sampleRate);
+          setState("streaming");
+        } else if (message.type === "segment.start") {
+          live.segments += 1;
+          onText((live.transcript ? " " : "") + message.text);
+        } else if (message.type === "end") {
+          ended = true;
+        } else if (message.type === "error") {
+          failure = `WebSocket error: ${errorObjectText(message.error)}`;
+        }
+      };
+      ws.onclose = (event) => {
+        controller.signal.removeEventListener("abort", onAbort);
+        if (failure) reject(new ServerError(failure));
+        else if (ended) resolve();
+        else if (!opened) {
+          // A browser hides the refused handshake's status and body.
+          reject(new ServerError("the gateway refused the WebSocket: a wrong token, or a page from another origin"));
+        } else reject(new Error(`the WebSocket closed (code ${event.code}) before the end`));
+      };
+    });
+  }
+
   async function speak() {
     if (controller) return;
     clearError();
-    const chat = ui.mode.value === "chat";
+    const mode = ui.mode.value;
     let request;
     try {
-      request = chat ? chatRequest() : speechRequest();
+      request = mode === "chat" ? chatRequest() : mode === "stream" ? streamRequest() : speechRequest();
     } catch (err) {
       showError(err.message);
       setState("error");
       return;
     }
     Object.assign(live, {
-      mode: chat ? "chat" : "speech",
+      mode,
       samplesReceived: 0,
       bytesReceived: 0,
       ttfpMs: null,
@@ -479,6 +602,8 @@
       audioSeconds: 0,
       scheduledSeconds: 0,
       transcript: "",
+      segments: 0,
+      protocol: null,
     });
     ui.transcript.textContent = "";
     const started = performance.now();
@@ -505,24 +630,8 @@
       ui.transcript.textContent = live.transcript;
     };
     try {
-      const response = await fetch(request.url, {
-        method: "POST",
-        headers: { "Content-Type": "application/json", ...authHeaders() },
-        body: request.body,
-        signal: controller.signal,
-      });
-      if (!response.ok) {
-        showError(await errorText(response));
-        setState("error");
-        return;
-      }
-      const rate = Number.parseInt(response.headers.get("X-Sample-Rate") || "", 10);
-      live.sampleRate = Number.isInteger(rate) && rate > 0 ? rate : live.sampleRate;
-      waveform.reset(live.sampleRate);
-      player = new StreamPlayer(ctx, live.sampleRate);
-      setState("streaming");
-      if (chat) await readChatEvents(response, onAudio, onText);
-      else await readPcm(response, onAudio);
+      if (mode === "stream") await streamAndPlay(request, ctx, onAudio, onText);
+      else await postAndPlay(request, mode === "chat", ctx, onAudio, onText);
       waveform.finish();
       if (decoder.pendingBytes) showError("the stream ended in the middle of a sample (odd byte count)");
       setState("done");
@@ -530,6 +639,9 @@
       waveform.finish();
       if (err.name === "AbortError") {
         setState("stopped");
+      } else if (err instanceof ServerError) {
+        showError(err.message);
+        setState("error");
       } else {
         // Once audio has started, the server signals a failure by cutting the stream.
         const where = live.samplesReceived ? ` after ${live.samplesReceived} samples` : "";
@@ -548,7 +660,8 @@
   }
 
   function showMode() {
-    ui.chatPanel.hidden = ui.mode.value !== "chat";
+    ui.chatPanel.hidden = ui.mode.value === "speech";
+    ui.transcriptLabel.textContent = ui.mode.value === "stream" ? "Segments spoken" : "Reply";
   }
 
   ui.speak.addEventListener("click", speak);
