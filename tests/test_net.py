@@ -1,17 +1,24 @@
 """omni_common.net: what a host means, checked against real servers.
 
-The `localhost` rule is worth a real server: gRPC servers bind every
-address the name resolves to, so a gRPC client dials 127.0.0.1.
+The `localhost` rule is the one worth a real server each: gRPC servers bind
+every address the name resolves to, so a gRPC client dials 127.0.0.1;
+prometheus_client's /metrics server binds only the first, which is ::1 on
+hosts whose /etc/hosts lists it first, so a metrics URL keeps the name.
+The second is shown on this host by resolving `localhost` the Debian way
+(::1 first) for the duration of the test.
 """
 
 from __future__ import annotations
 
 import asyncio
 import socket
+import urllib.error
+import urllib.request
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+from prometheus_client import start_http_server
 
 from omni_common.net import (
     LOCAL_DIAL_HOSTS,
@@ -24,6 +31,7 @@ from omni_common.net import (
     url_host,
 )
 from omni_common.server import ServerConfig, build_server, client_target
+from omni_stack.commands import metrics_url
 
 
 @pytest.mark.parametrize("host", sorted(WILDCARD_HOSTS))
@@ -91,3 +99,44 @@ def test_grpc_server_on_localhost_is_dialed_at_loopback():
             await server.stop(0)
 
     asyncio.run(main())
+
+
+@pytest.fixture
+def localhost_is_ipv6_first(monkeypatch):
+    """`localhost` resolves to ::1, then 127.0.0.1 (Debian's /etc/hosts order)."""
+    real = socket.getaddrinfo
+
+    def getaddrinfo(host, port, family=0, type=0, proto=0, flags=0):
+        if host != "localhost":
+            return real(host, port, family, type, proto, flags)
+        port = int(port or 0)
+        kind = type or socket.SOCK_STREAM
+        both = [
+            (socket.AF_INET6, kind, 6, "", ("::1", port, 0, 0)),
+            (socket.AF_INET, kind, 6, "", ("127.0.0.1", port)),
+        ]
+        return [a for a in both if family in (0, socket.AF_UNSPEC, a[0])]
+
+    monkeypatch.setattr(socket, "getaddrinfo", getaddrinfo)
+
+
+def _fetch(url: str) -> bytes:
+    with urllib.request.urlopen(url, timeout=10) as reply:
+        return reply.read()
+
+
+def test_metrics_url_keeps_localhost_where_the_server_binds_ipv6_only(localhost_is_ipv6_first):
+    server, thread = start_http_server(0, addr="localhost")
+    try:
+        port = int(server.server_port)
+        assert server.address_family == socket.AF_INET6, "prometheus bound the first address"
+        url = metrics_url("localhost", port)
+        assert url == f"http://localhost:{port}/metrics", url
+        assert b"python_info" in _fetch(url), f"{url} did not serve metrics"
+        # dial_host's answer, right for a gRPC server, is refused by this one.
+        with pytest.raises(urllib.error.URLError):
+            _fetch(f"http://{dial_host('localhost')}:{port}/metrics")
+    finally:
+        server.shutdown()
+        server.server_close()
+        thread.join(5)

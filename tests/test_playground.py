@@ -29,7 +29,8 @@ import pytest
 from fakes import FakeDecoder, FakeDecoderConfig, GatewayThread
 
 from gateway.http_playground import PLAYGROUND_DIR
-from omni_cli.launcher import Stack, StackConfig
+from omni_stack.config import StackConfig
+from omni_stack.stack import Stack
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")

@@ -23,7 +23,8 @@ import grpc
 import psutil
 import pytest
 
-from omni_cli.launcher import Stack, StackConfig
+from omni_stack.config import StackConfig
+from omni_stack.stack import Stack
 from tests.speech_helpers import check_chunks, speak_chunks
 from tests.test_up import Up, _alive, check_running, check_stopped, speak_and_check
 
