@@ -9,8 +9,8 @@ One module per job, each importing only those above it in this list:
   their coercion, replica naming;
 - `commands`: the services' command lines and environment
   (`service_commands`, what compose and Kubernetes also run);
-- `processes`: Linux process plumbing (spawning, the parent-death signal,
-  process groups, the child subreaper, psutil helpers);
+- `processes`: Linux process plumbing (spawning without fork(), process
+  groups, the child subreaper, psutil helpers);
 - `runtime`: the runtime directory, its `owner` lock, the sweeps of what dead
   stacks left (runtime directories, shared-memory arenas);
 - `health`: the readiness check of a service;
@@ -21,5 +21,6 @@ One module per job, each importing only those above it in this list:
   asking it for a rolling restart (`omni-serving restart materializer`).
 
 Host and address helpers (wildcard hosts, where to dial, free ports, socket
-path length) are omni_common.net's.
+path length) are omni_common.net's; the services' side of the parent-death
+signal is omni_common.lifeline's.
 """

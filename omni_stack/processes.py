@@ -4,86 +4,53 @@
   terminal's Ctrl-C reaches only the launcher and everything the service
   starts (vLLM workers, pool workers, their children) can be found and
   stopped with it (`members`, `signal_group`).
-- A service gets SIGTERM when the launcher dies, SIGKILL included
-  (`_die_with_launcher`, the parent-death signal), so a killed launcher
-  leaves no stack running on its own.
+- It spawns without anything that makes CPython `fork()`: no `preexec_fn`,
+  no user or group change. CPython 3.11's `_posixsubprocess` then uses
+  vfork(), which runs no fork handler; a real fork() in the launcher, which
+  holds live gRPC channels, runs gRPC's fork handlers and can hang it for
+  good. The parent-death signal a `preexec_fn` used to set, the service
+  sets itself at its start (omni_common.lifeline), told the launcher's pid
+  in its environment.
 - `become_subreaper`: orphaned descendants of the services are re-parented
   to the launcher instead of init, so nothing a service started slips away
   unseen.
 
-Invariant: a process counts as gone once it is a zombie (`alive`).
+Invariants: `spawn` never passes `preexec_fn` (tests/test_spawn.py counts
+the fork handlers run while services are started); a process counts as
+gone once it is a zombie (`alive`).
 """
 
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import os
 import signal
 import subprocess
-import sys
 import time
-from collections.abc import Callable, Sequence
-from typing import Any
+from collections.abc import Sequence
 
 import psutil
 
-_PR_SET_PDEATHSIG = 1
-_PR_SET_CHILD_SUBREAPER = 36
-
-
-def _load_libc() -> Any:
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        return ctypes.CDLL(None, use_errno=True)
-    except OSError:
-        return None
-
-
-_LIBC = _load_libc()
+from omni_common.lifeline import PR_SET_CHILD_SUBREAPER, launcher_environment, prctl
 
 
 def become_subreaper() -> bool:
     """Linux: orphaned descendants are re-parented to us instead of init, so
     nothing a service started can slip away unseen. Best effort."""
-    try:
-        return _LIBC is not None and _LIBC.prctl(_PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0
-    except AttributeError:
-        return False
-
-
-def _die_with_launcher(launcher_pid: int) -> Callable[[], None] | None:
-    """A `preexec_fn` (Linux): the service gets SIGTERM when the launcher dies,
-    SIGKILL included, so a killed launcher leaves no stack running on its own.
-
-    The kernel sends it when the *thread* that started the service ends: a
-    Stack is driven from one long-lived thread (run_up: the main thread).
-    """
-    prctl = getattr(_LIBC, "prctl", None)
-    if prctl is None:
-        return None
-    sigterm = int(signal.SIGTERM)
-
-    def preexec() -> None:  # runs in the child between fork and exec: keep it minimal
-        prctl(_PR_SET_PDEATHSIG, sigterm, 0, 0, 0)
-        if os.getppid() != launcher_pid:  # the launcher died before prctl
-            os.kill(os.getpid(), sigterm)
-
-    return preexec
+    return prctl(PR_SET_CHILD_SUBREAPER, 1)
 
 
 def spawn(
     argv: Sequence[str], env: dict[str, str], pass_fds: Sequence[int] = ()
 ) -> subprocess.Popen:
-    """Start a service: `env` is its whole environment, in a session of its
-    own, with `pass_fds` inherited, dying with the launcher."""
+    """Start a service: `env` is its whole environment (the launcher's pid is
+    added for its parent-death signal), in a session of its own, with
+    `pass_fds` inherited. No fork(): see the module docstring."""
     return subprocess.Popen(
         list(argv),
-        env=env,
+        env={**env, **launcher_environment()},
         start_new_session=True,
         pass_fds=tuple(pass_fds),
-        preexec_fn=_die_with_launcher(os.getpid()),
     )
 
 

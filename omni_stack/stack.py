@@ -2,9 +2,9 @@
 
 - Sockets live in a private runtime directory (mode 0700) that the stack
   claims with a lock (omni_stack.runtime).
-- Each service runs in its own session (process group, omni_stack.processes),
-  so a terminal's Ctrl-C reaches only the launcher, and everything a service
-  started can be found and stopped with it.
+- Each service runs in its own session (process group), started without a
+  fork() (omni_stack.processes), so a terminal's Ctrl-C reaches only the
+  launcher, and everything a service started can be found and stopped with it.
 - `start` sweeps what dead stacks left on this host, whatever their
   deployment name, then starts the services in order, each once the previous
   one answers SERVING (generously: the vLLM engine creates its tiny models on
@@ -15,7 +15,7 @@
 - `stop` stops the services in reverse order (gateway first) within one stop
   timeout, then whatever they left behind, sweeps the deployment's arenas and
   returns the shared-memory segments still present. A killed launcher takes
-  its services with it (parent-death signal, omni_stack.processes).
+  its services with it (parent-death signal, omni_common.lifeline).
 
 Invariants: drive a Stack from one long-lived thread (the services' parent-death
 signal follows the thread that started them); every process group a service
@@ -84,7 +84,7 @@ class Stack:
 
     After start(), supervise() (or poll() in a loop of the caller's own)
     restarts services that exit on their own; see StackConfig for the policy.
-    Drive a Stack from one long-lived thread (see processes._die_with_launcher).
+    Drive a Stack from one long-lived thread (see omni_common.lifeline).
     """
 
     def __init__(
