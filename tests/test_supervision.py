@@ -270,8 +270,9 @@ def _active_streams(up) -> bool:
 
 
 def test_services_stop_when_the_launcher_is_killed(up_factory):
-    # SIGKILL reaches only the launcher; its services get SIGTERM from the
-    # kernel (parent-death signal) and stop cleanly: no stack left on its own.
+    # SIGKILL reaches only the launcher; its services get one SIGTERM (the
+    # parent-death signal, omni_common.lifeline) and stop cleanly: no stack
+    # left on its own, no arena (a second SIGTERM would cut a shutdown short).
     up = up_factory("--engine", "fake")
     up.wait_ready(120)
     tree = check_running(up)
