@@ -136,7 +136,9 @@ def run(restarts: int, service_restarts: int, bound_s: float) -> dict:
         blink.state, blink.next_start = "backoff", 0.0
         stack.services.append(blink)
         # the health service is killed at evenly spaced points of the run
-        kill_at = sorted({restarts * (k + 1) // (service_restarts + 1) for k in range(service_restarts)})
+        kill_at = sorted(
+            {restarts * (k + 1) // (service_restarts + 1) for k in range(service_restarts)}
+        )
         while blink.restarts < restarts:
             if kill_at and blink.restarts >= kill_at[0]:
                 kill_at.pop(0)

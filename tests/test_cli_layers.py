@@ -46,11 +46,11 @@ def test_no_import_points_up():
 
 def test_omni_serving_bench_is_bench_itself():
     cli = [sys.executable, "-m", "omni_cli.main", "bench"]
-    shown = subprocess.run(
-        [*cli, "--help"], capture_output=True, text=True, cwd=REPO, timeout=120
-    )
+    shown = subprocess.run([*cli, "--help"], capture_output=True, text=True, cwd=REPO, timeout=120)
     assert shown.returncode == 0, f"bench --help exited {shown.returncode}: {shown.stderr}"
     assert "omni-serving bench" in shown.stdout and "step-gap" in shown.stdout, shown.stdout
-    bad = subprocess.run([*cli, "no-such-suite"], capture_output=True, text=True, cwd=REPO, timeout=120)
+    bad = subprocess.run(
+        [*cli, "no-such-suite"], capture_output=True, text=True, cwd=REPO, timeout=120
+    )
     assert bad.returncode == 2, f"bench's usage error should exit 2, got {bad.returncode}"
     assert "invalid choice: 'no-such-suite'" in bad.stderr, bad.stderr

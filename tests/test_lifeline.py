@@ -68,9 +68,7 @@ LAUNCHER = textwrap.dedent(
 )
 
 
-def _start(
-    tmp_path: Path, when: str, service: str = SERVICE
-) -> tuple[subprocess.Popen, int, Path]:
+def _start(tmp_path: Path, when: str, service: str = SERVICE) -> tuple[subprocess.Popen, int, Path]:
     out = tmp_path / "service.json"
     launcher = subprocess.Popen(
         [sys.executable, "-c", LAUNCHER, str(out), when, service],
