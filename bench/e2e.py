@@ -1,7 +1,7 @@
 """e2e: the tts profile through the gateway: async (materializer) vs sync vs
 thread (the in-process background builder).
 
-Three stacks of the real services (`omni_cli.launcher.Stack`) run side by
+Three stacks of the real services (`omni_stack.stack.Stack`) run side by
 side: `async` with the materializer (snapshots to shared memory, payloads
 built in its own process), `sync` with `StackConfig(sync=True)` (payloads
 built in the decode step), and `thread`, the seed's design: no materializer,
@@ -311,7 +311,7 @@ def stack_config(mode: str, cfg: E2EConfig, model_dir: str, profile: str = "tts"
     """The StackConfig of a mode: async = with the materializer; sync = none,
     payloads built in the decode step; thread = none, payloads built on the
     decoder's background builder thread."""
-    from omni_cli.launcher import StackConfig
+    from omni_stack.config import StackConfig
 
     return StackConfig(profile=profile, engine=cfg.engine, model=model_dir, sync=mode != "async",
                        extra_decoder_args=list(THREAD_ARGS) if mode == "thread" else [],
@@ -412,7 +412,7 @@ def _ensure_models(cfg: E2EConfig) -> str:
 
 def run(cfg: E2EConfig, out_dir: Path) -> SuiteResult:
     out_dir.mkdir(parents=True, exist_ok=True)
-    from omni_cli.launcher import Stack
+    from omni_stack.stack import Stack
 
     rec = record.begin("e2e", quick=cfg.quick, settings=dataclasses.asdict(cfg))
     note = ""
@@ -596,7 +596,7 @@ def hash_line(h: dict[str, Any], digits: int) -> str:
 def run_omni(cfg: E2EConfig, model_dir: str) -> dict[str, Any]:
     """The omni profile in every mode, one stack at a time: warm-up, then the
     top concurrency level through Generate ("text+audio")."""
-    from omni_cli.launcher import Stack
+    from omni_stack.stack import Stack
 
     c = max(cfg.concurrency)
     n = cfg.prompts[c]

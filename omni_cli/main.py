@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from pathlib import Path
 
 
 def _cmd_up(args: argparse.Namespace) -> int:
-    from omni_cli.launcher import ConfigError, config_from_args, run_up
+    from omni_stack.config import config_from_args
+    from omni_stack.errors import ConfigError
+    from omni_stack.up import run_up
 
     try:
         cfg = config_from_args(args)
@@ -19,7 +22,7 @@ def _cmd_up(args: argparse.Namespace) -> int:
 
 
 def _cmd_restart(args: argparse.Namespace) -> int:
-    from omni_cli.launcher import run_restart_materializer
+    from omni_stack.running import run_restart_materializer
 
     return run_restart_materializer(args.deployment, args.runtime_dir, args.timeout)
 
@@ -128,9 +131,14 @@ def _cmd_conformance(args: argparse.Namespace) -> int:
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
-    from bench.cli import main as bench_main
-
-    return int(bench_main(args.rest) or 0)
+    """`omni-serving bench ...` is `python -m bench ...`, run in this process's place (exec):
+    the CLI never imports bench (bench imports the stack library, not the CLI).
+    -P: the same import path as this command's, without the working directory."""
+    argv = [sys.executable, "-P", "-m", "bench", *args.rest]
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, argv)
+    return 1  # not reached: execv returns only by raising
 
 
 def _delegate(module: str):
@@ -153,7 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
         "healthy, print the endpoints; Ctrl-C or SIGTERM stops them. Options can also come from "
         "--config FILE (TOML or YAML, same keys); options given here win. See docs/configuration.md.",
     )
-    from omni_cli.launcher import add_up_arguments
+    from omni_stack.config import add_up_arguments
 
     add_up_arguments(up)
     up.set_defaults(func=_cmd_up)

@@ -14,7 +14,8 @@ SIGTERM/SIGINT:
 
 Addresses are ``unix:///abs/path.sock``, ``unix:relative/path.sock`` or
 ``host:port`` (port 0 picks a free port). `build_server` returns the address
-a client should dial, with the real port filled in.
+a client should dial, with the real port filled in; what a host means
+(wildcards, ``localhost``, socket path length) is omni_common.net's.
 
 Optional, per service (`ServerConfig`): TLS from a certificate and key file
 (`TlsFiles`), server interceptors (`BearerTokenInterceptor` requires a
@@ -54,6 +55,7 @@ from omni_common.errors import (
     UnavailableError,
     sanitize_message,
 )
+from omni_common.net import MAX_UDS_PATH_BYTES, dial_host, uds_path_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -71,12 +73,6 @@ _KEEPALIVE_TIMEOUT_MS = 10_000
 # the clients' keepalive time, or the server answers their pings with GOAWAY
 # ("too_many_pings") and drops the connection.
 _MIN_CLIENT_PING_INTERVAL_MS = 10_000
-
-# sun_path holds 108 bytes including the terminating NUL.
-_MAX_UDS_PATH_BYTES = 107
-
-# Hosts that mean "every interface"; a client on this machine dials loopback instead.
-_WILDCARD_HOSTS = frozenset({"", "*", "0.0.0.0", "::", "[::]", "localhost"})
 
 # Schemes a client target may already carry; passed through unchanged.
 _CLIENT_SCHEMES = ("dns:", "ipv4:", "ipv6:", "unix-abstract:", "vsock:")
@@ -193,15 +189,11 @@ def _parse_address(address: str, *, field: str = "address") -> _Address:
     if not path or path.endswith("/"):
         raise InvalidArgumentError(field, f"{address!r}: missing socket file name")
     path = os.path.abspath(path)
-    if len(os.fsencode(path)) > _MAX_UDS_PATH_BYTES:
+    if uds_path_bytes(path) > MAX_UDS_PATH_BYTES:
         raise InvalidArgumentError(
-            field, f"{address!r}: socket path is longer than {_MAX_UDS_PATH_BYTES} bytes"
+            field, f"{address!r}: socket path is longer than {MAX_UDS_PATH_BYTES} bytes"
         )
     return _Address(path)
-
-
-def _dial_host(host: str) -> str:
-    return "127.0.0.1" if host in _WILDCARD_HOSTS else host
 
 
 def client_target(address: str) -> str:
@@ -218,7 +210,7 @@ def client_target(address: str) -> str:
         return f"unix://{parsed.uds_path}"
     if parsed.port == 0:
         raise InvalidArgumentError("target", f"{address!r}: cannot dial port 0")
-    return f"{_dial_host(parsed.host)}:{parsed.port}"
+    return f"{dial_host(parsed.host)}:{parsed.port}"
 
 
 def server_options(
@@ -633,7 +625,7 @@ async def build_server(
         os.chmod(parsed.uds_path, 0o600)
         bound = f"unix://{parsed.uds_path}"
     else:
-        bound = f"{_dial_host(parsed.host)}:{port}"
+        bound = f"{dial_host(parsed.host)}:{port}"
 
     await server.start()
     if config.serving_at_start:

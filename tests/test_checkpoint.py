@@ -682,7 +682,7 @@ def test_cli_models_create_writes_and_prints(monkeypatch, tmp_path, capsys):
 
 
 def _up_config(argv: list[str]):
-    from omni_cli.launcher import add_up_arguments, config_from_args
+    from omni_stack.config import add_up_arguments, config_from_args
 
     parser = argparse.ArgumentParser()
     add_up_arguments(parser)
@@ -690,7 +690,7 @@ def _up_config(argv: list[str]):
 
 
 def test_up_model_reaches_the_decoder(tmp_path):
-    from omni_cli.launcher import service_commands
+    from omni_stack.commands import service_commands
 
     cfg = _up_config(["--model", "/ckpt", "--deployment", "d"])
     assert cfg.model == "/ckpt"
@@ -717,7 +717,7 @@ def test_up_model_dir_is_a_deprecated_alias(tmp_path, capsys):
 
 
 def test_up_help_shows_model_not_model_dir():
-    from omni_cli.launcher import add_up_arguments
+    from omni_stack.config import add_up_arguments
 
     parser = argparse.ArgumentParser()
     add_up_arguments(parser)

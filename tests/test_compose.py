@@ -1,7 +1,7 @@
 """docker/compose.yaml runs what `omni-serving up` runs, and survives restarts.
 
 Each service's command and environment in the compose file are compared with
-`omni_cli.launcher.service_commands` for the configuration the file stands
+`omni_stack.commands.service_commands` for the configuration the file stands
 for: the `up` defaults, deployment "omni", sockets in /run/omni-serving, and
 every port bound on all interfaces inside its container. Around that: restart
 policies, the IPC holder that keeps decoder and materializer in one namespace
@@ -26,7 +26,8 @@ import pytest
 import yaml
 
 from decoder_svc.profile import load_profile
-from omni_cli.launcher import StackConfig, default_value, service_commands, service_environment
+from omni_stack.commands import service_commands, service_environment
+from omni_stack.config import StackConfig, default_value
 
 ROOT = Path(__file__).resolve().parent.parent
 COMPOSE = ROOT / "docker" / "compose.yaml"

@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from omni_cli.launcher import free_port
+from omni_common.net import free_port
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(2400)]
 

@@ -8,9 +8,10 @@ import time
 import grpc
 import pytest
 
-from omni_cli.launcher import Stack, StackConfig
 from omni_common.shm_arena import list_segments
 from omni_serving.v1 import decoder_pb2, decoder_pb2_grpc, gateway_pb2, gateway_pb2_grpc
+from omni_stack.config import StackConfig
+from omni_stack.stack import Stack
 from tests.speech_helpers import check_chunks, digest, reference_audio_sync, speak_chunks
 
 pytestmark = pytest.mark.e2e

@@ -157,7 +157,8 @@ def test_code2wav_cuts_the_first_chunk_asked_and_the_audio_is_the_same(where: st
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory):
-    from omni_cli.launcher import Stack, StackConfig
+    from omni_stack.config import StackConfig
+    from omni_stack.stack import Stack
 
     tmp = tmp_path_factory.mktemp("fc")
     profile = _profile_with(tmp, [[1, 3], [3, 1]])

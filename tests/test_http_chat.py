@@ -24,9 +24,10 @@ import pytest
 from fakes import FakeDecoder, FakeDecoderConfig, GatewayThread
 
 from gateway.audio import pcm16le
-from omni_cli.launcher import Stack, StackConfig
 from omni_common.tensor_wire import decode_inline
 from omni_serving.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from omni_stack.config import StackConfig
+from omni_stack.stack import Stack
 
 CHAT = "/v1/chat/completions"
 PROMPT = "Tell me about the weather today"

@@ -349,7 +349,8 @@ def test_http_requests_are_counted_by_route_and_status(gateway: GatewayThread) -
 
 @pytest.fixture(scope="module")
 def tts_stack(tmp_path_factory):
-    from omni_cli.launcher import Stack, StackConfig
+    from omni_stack.config import StackConfig
+    from omni_stack.stack import Stack
 
     stack = Stack(
         StackConfig(

@@ -44,13 +44,9 @@ import pytest
 import yaml
 
 from decoder_svc.profile import load_profile
-from omni_cli.launcher import (
-    StackConfig,
-    default_value,
-    free_port,
-    service_commands,
-    service_environment,
-)
+from omni_common.net import free_port
+from omni_stack.commands import service_commands, service_environment
+from omni_stack.config import StackConfig, default_value
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "deploy" / "k8s"

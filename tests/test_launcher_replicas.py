@@ -20,20 +20,18 @@ import grpc
 import psutil
 import pytest
 
-from omni_cli.launcher import (
+from omni_serving.v1 import decoder_pb2, decoder_pb2_grpc
+from omni_stack.commands import service_commands
+from omni_stack.config import (
     REPLICA_PORT_STRIDE,
-    ConfigError,
-    Stack,
     StackConfig,
-    StackError,
     add_up_arguments,
     config_from_args,
-    find_running_stack,
     load_config_file,
-    run_restart_materializer,
-    service_commands,
 )
-from omni_serving.v1 import decoder_pb2, decoder_pb2_grpc
+from omni_stack.errors import ConfigError, StackError
+from omni_stack.running import find_running_stack, run_restart_materializer
+from omni_stack.stack import Stack
 from tests.speech_helpers import check_chunks, speak_chunks
 from tests.test_up import Up, _alive, check_stopped
 

@@ -44,9 +44,9 @@ from decoder_svc.profile import load_profile
 from gateway.audio import pcm16le
 from materializer_svc.reference import ReferenceMaterializer
 from materializer_svc.registry import MaterializerConfig
-from omni_cli.launcher import free_port
 from omni_common.materialize import payload_tensors
 from omni_common.modality import OutputModality
+from omni_common.net import free_port
 from omni_common.server import wait_for_health_sync
 from omni_common.shm_arena import ShmArena, list_segments
 from omni_serving.v1 import common_pb2, decoder_pb2, decoder_pb2_grpc

@@ -32,8 +32,9 @@ import pytest
 import torch
 
 from gateway.audio import pcm16le
-from omni_cli.launcher import Stack, StackConfig
 from omni_serving.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from omni_stack.config import StackConfig
+from omni_stack.stack import Stack
 from tests.speech_helpers import check_chunks
 
 pytest.importorskip("vllm")

@@ -39,7 +39,8 @@ from fakes import FakeDecoder, FakeDecoderConfig, GatewayThread
 from gateway.http_auth import KEY_PROTOCOL_PREFIX, ClientKeys
 from gateway.http_playground import PLAYGROUND_DIR
 from gateway.http_ws import PROTOCOL, ROUTE
-from omni_cli.launcher import Stack, StackConfig
+from omni_stack.config import StackConfig
+from omni_stack.stack import Stack
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMEDRIVER = Path("/usr/bin/chromedriver")

@@ -15,7 +15,8 @@ import pytest
 from google.protobuf import descriptor_pb2, descriptor_pool
 from grpc_reflection.v1alpha import reflection_pb2
 
-from omni_cli.launcher import Stack, StackConfig
+from omni_stack.config import StackConfig
+from omni_stack.stack import Stack
 
 pytestmark = pytest.mark.e2e
 

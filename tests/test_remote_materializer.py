@@ -25,8 +25,8 @@ from decoder_svc.pipeline import Pipeline
 from decoder_svc.profile import load_profile
 from materializer_svc.reference import ReferenceMaterializer
 from materializer_svc.registry import MaterializerConfig
-from omni_cli.launcher import free_port
 from omni_common.modality import OutputModality
+from omni_common.net import free_port
 from omni_common.shm_arena import SHM_DIR, ShmArena, list_segments, probe_arena
 from omni_serving.v1 import materializer_pb2, materializer_pb2_grpc
 from tests.test_link_faults import Service, batch, check_outputs, decoder, prompt_for, wait_for

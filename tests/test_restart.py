@@ -8,8 +8,9 @@ import signal
 
 import pytest
 
-from omni_cli.launcher import Stack, StackConfig
 from omni_common.shm_arena import list_segments
+from omni_stack.config import StackConfig
+from omni_stack.stack import Stack
 from tests.speech_helpers import check_chunks, speak_chunks
 
 pytestmark = pytest.mark.e2e

@@ -20,8 +20,9 @@ import grpc
 import psutil
 import pytest
 
-from omni_cli.launcher import Stack, StackConfig
 from omni_serving.v1 import common_pb2, decoder_pb2, decoder_pb2_grpc, gateway_pb2, gateway_pb2_grpc
+from omni_stack.config import StackConfig
+from omni_stack.stack import Stack
 
 pytest.importorskip("vllm")
 FULL = os.environ.get("OMNI_SOAK_FULL") == "1"

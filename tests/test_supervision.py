@@ -23,7 +23,8 @@ import grpc
 import psutil
 import pytest
 
-from omni_cli.launcher import Stack, StackConfig
+from omni_stack.config import StackConfig
+from omni_stack.stack import Stack
 from tests.speech_helpers import check_chunks, speak_chunks
 from tests.test_up import Up, _alive, check_running, check_stopped, speak_and_check
 
@@ -269,8 +270,9 @@ def _active_streams(up) -> bool:
 
 
 def test_services_stop_when_the_launcher_is_killed(up_factory):
-    # SIGKILL reaches only the launcher; its services get SIGTERM from the
-    # kernel (parent-death signal) and stop cleanly: no stack left on its own.
+    # SIGKILL reaches only the launcher; its services get one SIGTERM (the
+    # parent-death signal, omni_common.lifeline) and stop cleanly: no stack
+    # left on its own, no arena (a second SIGTERM would cut a shutdown short).
     up = up_factory("--engine", "fake")
     up.wait_ready(120)
     tree = check_running(up)

@@ -23,10 +23,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from omni_cli import launcher
-from omni_cli.launcher import ConfigError, RuntimeDirLock, sweep_runtime_dirs
 from omni_common import shm_arena
 from omni_common.shm_arena import SHM_DIR, ShmArena, list_segments, segment_owner, sweep_orphans
+from omni_stack import runtime
+from omni_stack.errors import ConfigError
+from omni_stack.runtime import RuntimeDirLock, sweep_runtime_dirs
 from tests.speech_helpers import check_chunks, speak_chunks
 from tests.test_up import Up, check_running, check_stopped
 
@@ -118,7 +119,7 @@ def runtime_parent(tmp_path, monkeypatch):
     """Runtime directories are made (and swept) under tmp_path only."""
     monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    assert launcher.runtime_parents() == [tmp_path]
+    assert runtime.runtime_parents() == [tmp_path]
     return tmp_path
 
 
@@ -126,7 +127,7 @@ def _locking_child(directory: Path, created: bool) -> subprocess.Popen:
     proc, line = _owner_process(f"""
         import time
         from pathlib import Path
-        from omni_cli.launcher import RuntimeDirLock
+        from omni_stack.runtime import RuntimeDirLock
         RuntimeDirLock(Path({str(directory)!r}), created={created!r}, deployment="sweeptest")
         print("locked", flush=True)
         time.sleep(120)

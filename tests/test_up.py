@@ -27,17 +27,17 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from omni_cli.launcher import (
-    ConfigError,
+from omni_cli.main import main as cli_main
+from omni_common.shm_arena import sweep_stale
+from omni_stack.commands import service_commands
+from omni_stack.config import (
     StackConfig,
     add_up_arguments,
     config_from_args,
     default_value,
     load_config_file,
-    service_commands,
 )
-from omni_cli.main import main as cli_main
-from omni_common.shm_arena import sweep_stale
+from omni_stack.errors import ConfigError
 from tests.speech_helpers import check_chunks, speak_chunks
 
 SHM = Path("/dev/shm")
@@ -441,7 +441,7 @@ def test_tls_readiness_check_needs_a_tls_handshake(tmp_path):
     import ssl
     import threading
 
-    from omni_cli.launcher import _tls_answers
+    from omni_stack.health import tls_answers
 
     key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
     subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
@@ -465,8 +465,8 @@ def test_tls_readiness_check_needs_a_tls_handshake(tmp_path):
                    for sock, wrap in ((tls, True), (plain, False))]
         for t in threads:
             t.start()
-        assert _tls_answers("127.0.0.1", tls.getsockname()[1], 5.0) is None
-        problem = _tls_answers("127.0.0.1", plain.getsockname()[1], 1.0)
+        assert tls_answers("127.0.0.1", tls.getsockname()[1], 5.0) is None
+        problem = tls_answers("127.0.0.1", plain.getsockname()[1], 1.0)
         assert problem is not None and "no TLS handshake" in problem
         for t in threads:
             t.join(5)

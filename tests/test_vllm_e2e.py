@@ -12,8 +12,9 @@ import grpc
 import psutil
 import pytest
 
-from omni_cli.launcher import Stack, StackConfig
 from omni_serving.v1 import common_pb2, decoder_pb2, decoder_pb2_grpc, gateway_pb2, gateway_pb2_grpc
+from omni_stack.config import StackConfig
+from omni_stack.stack import Stack
 from tests.fs_helpers import tree_snapshot
 from tests.speech_helpers import check_chunks, describe_pcm_difference, digest, speak_chunks
 

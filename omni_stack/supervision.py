@@ -1,0 +1,140 @@
+"""Supervision: a service that exits on its own is restarted, one that keeps failing stops the stack.
+
+Each service moves through `ServiceProcess.state`:
+starting -> running -> (exits) -> backoff -> starting -> ... or failed.
+
+- A service that exits without being asked to (`_crashed`) is restarted
+  after a delay that doubles from `restart_backoff` up to
+  `restart_backoff_max`; what it started goes with it (SIGTERM now, SIGKILL at
+  the restart).
+- One that fails more than `max_restarts` times in a row (without staying up
+  for `restart_reset` seconds in between) stops the stack; `max_restarts` 0
+  means a crash stops it.
+- A restarted service counts as running once it answers SERVING; one that
+  does not within `startup_timeout` is killed and counts as a failure.
+- A service the launcher stopped itself (`stop_expected`, a failed rolling
+  restart) is started again at once, without counting a failure.
+
+Invariant: `Supervisor.poll_service` only notices and acts, it never waits
+longer than one short health check; the stack calls it for each service in
+every round (`Stack.poll`), from the thread that drives the stack.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import time
+from collections.abc import Callable
+
+import psutil
+
+from omni_stack.commands import ServiceProcess
+from omni_stack.config import StackConfig
+from omni_stack.health import check_health
+from omni_stack.processes import describe_exit, members, signal_group, terminate_members
+from omni_stack.runtime import sweep_stale
+
+
+class Supervisor:
+    """Restarts a stack's services (see the module docstring).
+
+    `spawn(svc)` starts `svc`'s process the way the stack does; `reap_orphans()`
+    collects re-parented orphans before a restart.
+    """
+
+    def __init__(
+        self,
+        cfg: StackConfig,
+        *,
+        log: Callable[[str], None],
+        spawn: Callable[[ServiceProcess], None],
+        reap_orphans: Callable[[], None],
+    ) -> None:
+        self.cfg = cfg
+        self._log = log
+        self._spawn = spawn
+        self._reap_orphans = reap_orphans
+
+    def poll_service(self, svc: ServiceProcess) -> str | None:
+        """One round for `svc`: notice an exit, restart after the backoff, mark a
+        restarted one running once healthy. Returns why the stack gives up, or None."""
+        now = time.monotonic()
+        if svc.state == "backoff":
+            if now >= svc.next_start:
+                self._restart(svc)
+            return None
+        if svc.state not in ("running", "starting") or svc.proc is None:
+            return None
+        code = svc.proc.poll()
+        if svc.state == "running":
+            if code is None:
+                if svc.failures and now - svc.healthy_at >= self.cfg.restart_reset:
+                    svc.failures = 0  # it has stayed up: its next crash starts a new count
+                return None
+            if svc.stop_expected:  # stopped by the launcher itself: start a fresh one now
+                svc.stop_expected = False
+                svc.dead_groups[svc.proc.pid] = time.time()
+                svc.state, svc.next_start = "backoff", now
+                self._log(f"{svc.name} (pid {svc.proc.pid}) stopped as asked; starting a fresh one")
+                return None
+            return self._crashed(svc, describe_exit(code), now)
+        # starting (a restart): healthy yet?
+        if code is not None:
+            return self._crashed(svc, f"{describe_exit(code)} while starting", now)
+        if check_health(self.cfg, svc, 0.2) is None:
+            svc.state = "running"
+            svc.healthy_at = time.monotonic()
+            self._log(
+                f"{svc.name} is serving again (pid {svc.proc.pid}, healthy "
+                f"{svc.healthy_at - svc.started_at:.1f}s after its start)"
+            )
+            return None
+        if now > svc.start_deadline:
+            signal_group(svc.proc.pid, signal.SIGKILL)  # not reaped yet: the group is its own
+            svc.proc.wait()
+            return self._crashed(svc, f"was not healthy within {self.cfg.startup_timeout:g}s", now)
+        return None
+
+    def _crashed(self, svc: ServiceProcess, what: str, now: float) -> str | None:
+        """`svc` exited without being asked to: schedule its restart or give up."""
+        assert svc.proc is not None
+        cfg = self.cfg
+        uptime = now - svc.started_at
+        # What it started (pool workers, ...) goes too: asked now, killed at the restart.
+        svc.dead_groups[svc.proc.pid] = time.time()
+        terminate_members({svc.proc.pid: svc.dead_groups[svc.proc.pid]})
+        if svc.state == "running" and now - svc.healthy_at >= cfg.restart_reset:
+            svc.failures = 0
+        svc.failures += 1
+        if cfg.max_restarts == 0:
+            svc.state = "failed"
+            return f"{svc.name} {what} after {uptime:.1f}s (restarts are off: max-restarts 0)"
+        if svc.failures > cfg.max_restarts:
+            svc.state = "failed"
+            return (
+                f"{svc.name} {what} after {uptime:.1f}s; it failed {svc.failures} times in a row "
+                f"(max-restarts {cfg.max_restarts}); giving up"
+            )
+        delay = min(cfg.restart_backoff * 2 ** (svc.failures - 1), cfg.restart_backoff_max)
+        svc.state = "backoff"
+        svc.next_start = now + delay
+        self._log(
+            f"{svc.name} {what} after {uptime:.1f}s; restarting it in {delay:g}s "
+            f"(failure {svc.failures} in a row, at most {cfg.max_restarts})"
+        )
+        return None
+
+    def _restart(self, svc: ServiceProcess) -> None:
+        for p in members(dict(svc.dead_groups)):  # leftovers of the dead one: no more waiting
+            with contextlib.suppress(psutil.Error):
+                p.kill()
+        self._reap_orphans()
+        if svc.role == "decoder":  # the dead decoder's arena, even a half-made one
+            sweep_stale(f"omni-{svc.deployment}", creating_grace_s=0)
+        svc.restarts += 1
+        self._spawn(svc)
+        self._log(
+            f"restarting {svc.name} (pid {svc.proc.pid if svc.proc else '?'}, "
+            f"restart {svc.restarts})"
+        )
