@@ -30,6 +30,7 @@ from gateway.replicas import (
 from gateway.validation import DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_MAX_TEXT_CHARS
 from omni_common.errors import InvalidArgumentError, OmniError
 from omni_common.logging_setup import setup_logging
+from omni_common.net import LOOPBACK
 
 TLS_CERT_ENV = "OMNI_GATEWAY_TLS_CERT"
 TLS_KEY_ENV = "OMNI_GATEWAY_TLS_KEY"
@@ -52,7 +53,7 @@ def read_token_file(path: str) -> str:
 def default_http_host(listen: str) -> str:
     """Bind HTTP where gRPC listens: the --listen host, or loopback for a Unix socket."""
     if listen.startswith("unix:"):
-        return "127.0.0.1"
+        return LOOPBACK
     host = listen.rpartition(":")[0].strip("[]")
     return host or "0.0.0.0"
 

@@ -41,6 +41,7 @@ from gateway import metrics
 from gateway.decoder_client import DecoderClient, DecoderInfo
 from gateway.health import DEFAULT_INTERVAL_S, DEFAULT_TIMEOUT_S, DecoderMonitor
 from omni_common.errors import InvalidArgumentError, OmniError, UnavailableError, quote_value
+from omni_common.net import LOCAL_DIAL_HOSTS, WILDCARD_HOSTS
 from omni_common.server import client_target
 
 logger = logging.getLogger(__name__)
@@ -62,7 +63,6 @@ Resolver = Callable[[str, int], Awaitable[Sequence[str]]]
 """``(host, port)`` -> the host's IP addresses, as text (``10.0.0.7``, ``fd00::7``)."""
 
 _STATIC_SCHEMES = ("ipv4:", "ipv6:", "unix-abstract:", "vsock:")
-_WILDCARD_HOSTS = frozenset({"", "*", "0.0.0.0", "::", "[::]", "localhost"})
 _HOSTNAME = re.compile(r"^[A-Za-z0-9_](?:[A-Za-z0-9_-]*)(?:\.[A-Za-z0-9_-]+)*\.?$")
 _SYNTAX = "use unix:///abs/path.sock, host:port or dns:///name:port"
 _MAX_LABEL_CHARS = 200
@@ -102,7 +102,7 @@ def _host_port(text: str, entry: str, field: str) -> tuple[str, int]:
     port = int(port_text)
     if not 0 < port <= 65535:
         raise InvalidArgumentError(field, f"{quote_value(entry)}: port must be 1-65535")
-    if host in _WILDCARD_HOSTS:
+    if host in LOCAL_DIAL_HOSTS:
         return host, port
     if host.startswith("[") and host.endswith("]"):
         if ":" not in host or not _is_ip(host[1:-1]):
@@ -152,11 +152,11 @@ def parse_decoder_target(entry: str, *, field: str = "decoder") -> DecoderTarget
             if not slash:
                 raise InvalidArgumentError(field, f"{quote_value(text)}: {_SYNTAX}")
         host, port = _host_port(rest, text, field)
-        if host in ("", "*", "[::]", "::", "0.0.0.0"):
+        if host in WILDCARD_HOSTS:
             raise InvalidArgumentError(field, f"{quote_value(text)}: needs a name to resolve")
         return DecoderTarget(text, host=host.strip("[]"), port=port)
     host, port = _host_port(text, text, field)
-    if host in _WILDCARD_HOSTS or _is_ip(host.strip("[]")):
+    if host in LOCAL_DIAL_HOSTS or _is_ip(host.strip("[]")):
         return DecoderTarget(text, dial=client_target(text))
     return DecoderTarget(text, host=host, port=port)
 

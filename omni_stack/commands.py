@@ -176,6 +176,7 @@ def service_commands(
         ("--tls-cert", cfg.tls_cert),
         ("--tls-key", cfg.tls_key),
         ("--auth-token-file", cfg.auth_token_file),
+        ("--allowed-origins", cfg.allowed_origins),
     ):
         if value:
             gateway_args += [flag, value]

@@ -64,6 +64,7 @@ class StackConfig:
     tls_cert: str = ""
     tls_key: str = ""
     auth_token_file: str = ""
+    allowed_origins: str = ""  # comma-separated origins; passed as --allowed-origins
     extra_decoder_args: list[str] = field(default_factory=list)
     # Decoder + materializer pairs behind the one gateway (see replica_layout).
     replicas: int = 1
@@ -272,6 +273,13 @@ UP_OPTIONS: tuple[UpOption, ...] = (
         str,
         "gateway: file holding the bearer token clients must send, passed as --auth-token-file",
         metavar="FILE",
+    ),
+    UpOption(
+        "allowed_origins",
+        str,
+        "gateway: origins besides its own whose pages may open its WebSockets "
+        "(scheme://host[:port], comma-separated, or *), passed as --allowed-origins",
+        metavar="ORIGINS",
     ),
 )
 _OPTIONS_BY_KEY = {opt.key: opt for opt in UP_OPTIONS}
