@@ -34,10 +34,10 @@ import torch
 from bench.common import fmt, machine_info, machine_md, md_table, write_json
 from decoder_svc.qwen3_omni.code2wav import (
     Code2Wav,
-    Code2WavConfig,
     decode_with_left_context,
     random_tensors,
 )
+from decoder_svc.qwen3_omni.code2wav_layers import Code2WavConfig
 
 TINY_CONFIG: dict[str, Any] = dict(
     codebook_size=2048,

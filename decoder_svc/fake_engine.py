@@ -42,7 +42,7 @@ import torch
 
 from decoder_svc.backend import RequestSpec, StepOutput
 from decoder_svc.busy import BUSY
-from decoder_svc.code2wav import SAMPLE_RATE_HZ, SAMPLES_PER_FRAME
+from decoder_svc.code2wav.chunking import SAMPLE_RATE_HZ, SAMPLES_PER_FRAME
 from omni_serving.v1 import snapshot_pb2
 
 PER_REQUEST = snapshot_pb2.TENSOR_LAYOUT_PER_REQUEST

@@ -4,7 +4,7 @@ Threads:
   - one runner per AR stage: the decode loop (critical path);
   - the materializer link's dispatcher/receiver (or in-process builder);
   - code2wav (generation stage): one thread, or worker processes
-    (decoder_svc.code2wav_proc) with one result reader thread each.
+    (decoder_svc.code2wav.pool) with one result reader thread each.
 Request outputs go to per-request sinks (the gRPC Generate streams).
 
 No thread dies of an exception: a failure ends the affected requests with an
@@ -20,7 +20,6 @@ import collections
 import dataclasses
 import itertools
 import logging
-import queue
 import threading
 import time
 from collections.abc import Callable
@@ -32,8 +31,9 @@ import torch
 
 from decoder_svc import metrics
 from decoder_svc.backend import ARBackend, RequestSpec, StepOutput
-from decoder_svc.code2wav import ChunkState  # noqa: F401 -- the chunking Code2WavCore runs, named here as before
-from decoder_svc.code2wav_proc import Code2WavCore, Code2WavProcessPool, VocoderSpec, run_chunks
+from decoder_svc.code2wav.core import VocoderSpec
+from decoder_svc.code2wav.pool import Code2WavProcessPool
+from decoder_svc.code2wav.thread import Code2WavWorker
 from decoder_svc.cuda_staging import CudaStaging
 from decoder_svc.guards import GuardDecision, evaluate, log_decision
 from decoder_svc.lengths import (
@@ -325,101 +325,6 @@ class StageRunner:
         self.deliver(build_local_step(meta.view_over(host), self.plan), meta)
 
 
-class Code2WavWorker:
-    """The generation stage: codec frames -> audio chunks, per request."""
-
-    def __init__(
-        self,
-        config: StageConfig,
-        emit: Callable[[str, np.ndarray, bool, str], None],
-        *,
-        vocoder,
-        on_error: Callable[[str, BaseException], None] | None = None,
-        live: Callable[[str], bool] | None = None,
-    ):
-        """live(request_id): whether the request still runs; frames of a
-        request that ended (an abort raced with a delivery) start nothing."""
-        self.config = config
-        self.emit = emit
-        self.on_error = on_error
-        self.live = live
-        self.vocoder = vocoder
-        # the chunking shared with the worker processes (same chunks, same bytes)
-        self._core = Code2WavCore(config.initial_chunk_ramp, config.codec_chunk_frames, vocoder)
-        self.num_codebooks = self._core.num_codebooks
-        self.codebook_size = self._core.codebook_size
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._queued = 0  # the core's ready chunks, as the gauge has them
-        self._thread = threading.Thread(target=self._loop, name="code2wav", daemon=True)
-        self.pids: list[int] = []  # no worker process: it runs on a thread here
-
-    @property
-    def chunks(self) -> int:
-        return self._core.chunks
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        """Decode what was sent, then end."""
-        self._queue.put(None)
-        self._thread.join(timeout=30)
-        self._report()
-
-    def frames(self, request_id: str, voice: str, codes: np.ndarray, first: int = 0) -> None:
-        """first: frames of the request's first chunk (0: the ramp's); its
-        first call's value counts."""
-        self._queue.put(("frames", request_id, voice, codes, self._core.clock(), first))
-
-    def finish(self, request_id: str, voice: str, reason: str) -> None:
-        self._queue.put(("finish", request_id, voice, reason, self._core.clock(), 0))
-
-    def abort(self, request_id: str) -> None:
-        self._queue.put(("abort", request_id, "", None, 0.0, 0))
-
-    def _loop(self) -> None:
-        """Items arrive on the queue (the callers never wait); everything that
-        has arrived goes into the core's ready set, which decides the chunk
-        decoded next (first chunks first, then the request closest to
-        running dry: Code2WavCore)."""
-        run_chunks(self._core, self._queue, self._take, self._emit, self._fail, self._report)
-
-    def _take(self, item: tuple) -> None:
-        kind, rid, voice, value, at, first = item
-        if kind == "abort":
-            self._core.drop(rid)
-            return
-        if not self._core.has(rid) and self.live is not None and not self.live(rid):
-            return
-        try:
-            self._core.add(kind, rid, voice, value, at, first)
-        except Exception as exc:  # noqa: BLE001 -- fail this request, keep serving the others
-            self._fail(rid, exc)
-
-    def _emit(self, rid: str, audio: np.ndarray, last: bool, reason: str) -> None:
-        self._report()
-        if self._core.first_wait is not None:
-            metrics.CODE2WAV_FIRST_CHUNK_WAIT.observe(self._core.first_wait)
-        self.emit(rid, audio, last, reason)
-
-    def _report(self) -> None:
-        """The core's ready chunks into the gauge (this worker's share)."""
-        queued = self._core.queued
-        if queued != self._queued:
-            metrics.CODE2WAV_QUEUE_CHUNKS.inc(queued - self._queued)
-            self._queued = queued
-
-    def _fail(self, rid: str, exc: Exception) -> None:
-        self._core.drop(rid)
-        metrics.INTERNAL_ERRORS.labels("code2wav").inc()
-        logger.error("code2wav failed for request %s; failing it", rid, exc_info=exc)
-        if self.on_error is not None:
-            try:
-                self.on_error(rid, exc)
-            except Exception:  # noqa: BLE001 -- the worker keeps serving
-                logger.exception("failing request %s failed", rid)
-
-
 class Pipeline:
     """Runs a profile: AR stages in order, then code2wav; routes outputs to
     request sinks. Every AR stage decides its output path with the guards."""
@@ -456,7 +361,7 @@ class Pipeline:
         default: from the engine's facts and `options` (the decoder's
         length and guard options; None = their defaults). code2wav_workers:
         0 runs code2wav on a thread here, N > 0 in N worker processes
-        (decoder_svc.code2wav_proc) that rebuild the vocoder from
+        (decoder_svc.code2wav.pool) that rebuild the vocoder from
         `vocoder_spec` (default: ``vocoder.worker_spec()``)."""
         self.profile = profile
         self.backends = backends

@@ -57,9 +57,9 @@ from typing import Any
 from decoder_svc import metrics
 from decoder_svc.backend import RequestSpec
 from decoder_svc.busy import BUSY
-from decoder_svc.code2wav_proc import call_factory, pipe_sender
 from decoder_svc.guards import evaluate, log_decision
 from decoder_svc.profile import Profile, StageConfig
+from decoder_svc.spawned import call_factory, pipe_sender
 from omni_common import errors
 from omni_common.errors import OmniError, UnavailableError
 from omni_common.shm_arena import ShmArena, sweep_stale

@@ -1,4 +1,4 @@
-"""code2wav in worker processes (decoder_svc.code2wav_proc): the same audio as
+"""code2wav in worker processes (decoder_svc.code2wav.pool): the same audio as
 the in-thread worker, frames by arena slots, failure of one worker costs only
 its requests, the caller never waits on a busy worker, nothing left in
 /dev/shm. Real processes, real shared memory; the vocoders are the fake
@@ -18,10 +18,11 @@ import pytest
 import torch
 
 from decoder_svc import metrics
-from decoder_svc.code2wav import ChunkState
-from decoder_svc.code2wav_proc import Code2WavProcessPool, PendingRequest, _Worker, next_request
+from decoder_svc.code2wav.chunking import ChunkState
+from decoder_svc.code2wav.core import PendingRequest, next_request
+from decoder_svc.code2wav.pool import Code2WavProcessPool, _Worker
+from decoder_svc.code2wav.thread import Code2WavWorker
 from decoder_svc.fake_engine import FakeVocoderFactory
-from decoder_svc.pipeline import Code2WavWorker
 from decoder_svc.profile import load_profile
 from omni_common.shm_arena import list_segments
 from tests.fakes.code2wav_vocoders import FakeGatedVocoderFactory
@@ -575,8 +576,8 @@ def test_neural_code2wav_in_a_worker_gives_the_engines_audio_byte_for_byte(prefi
     parent's): a different count may round differently in the last bits."""
     pytest.importorskip("vllm")
     from decoder_svc.qwen3_omni.checkpoint import OmniCheckpoint
-    from decoder_svc.qwen3_omni.code2wav import worker_spec
     from decoder_svc.qwen3_omni.engine import NeuralVocoder
+    from decoder_svc.qwen3_omni.vocoder import worker_spec
 
     ckpt = OmniCheckpoint.open(tiny_checkpoint)
     engine_vocoder = NeuralVocoder(str(ckpt.path), ("ethan", "chelsie"), checkpoint=ckpt)

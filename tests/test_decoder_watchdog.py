@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import grpc
 import pytest
 
+import decoder_svc.code2wav.chunking as chunking_mod
 import decoder_svc.materializer_link as link_mod
 import decoder_svc.pipeline as pipeline_mod
 from decoder_svc.backend import RequestSpec
@@ -223,8 +224,8 @@ def test_receiver_loop_error_fails_over_without_losing_steps(monkeypatch, remote
 
 def test_code2wav_error_fails_the_request_and_the_worker_keeps_serving(monkeypatch):
     with running(in_process_builder=True) as (pipeline, arena):
-        fault = raise_once(pipeline_mod.ChunkState.decode, OmniError("injected"))
-        monkeypatch.setattr(pipeline_mod.ChunkState, "decode", fault)
+        fault = raise_once(chunking_mod.ChunkState.decode, OmniError("injected"))
+        monkeypatch.setattr(chunking_mod.ChunkState, "decode", fault)
         check_fault_then_recovery(pipeline, arena, "audio generation failed")
         assert fault.fired and pipeline.code2wav._thread.is_alive()
 

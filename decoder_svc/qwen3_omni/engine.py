@@ -29,7 +29,7 @@ from omni_common.materialize import sources_of
 from .backends import THINKER_EMBED, THINKER_HIDDEN, TalkerBackend, ThinkerBackend
 from .cache import default_model_dir
 from .checkpoint import OmniCheckpoint
-from .code2wav import CheckpointVocoder
+from .vocoder import CheckpointVocoder
 
 log = logging.getLogger(__name__)
 
