@@ -226,6 +226,7 @@ def run_one(
     probe: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     from decoder_svc.backend import RequestSpec
+    from decoder_svc.fake_engine import fake_vocoder
     from decoder_svc.pipeline import Pipeline
     from omni_common.modality import OutputModality
     from omni_common.shm_arena import ShmArena
@@ -238,6 +239,7 @@ def run_one(
     pipeline = Pipeline(
         profile,
         {"talker": backend},
+        vocoder=fake_vocoder(profile, backend),
         materializer_target=materializer.target if (remote and materializer) else None,
         shm_prefix=prefix,
         arena=arena,

@@ -355,3 +355,16 @@ class FakeVocoderFactory:
             "decoder_svc.fake_engine:FakeVocoderFactory",
             {"num_codebooks": self.num_codebooks, "codec_vocab": self.codebook_size, "left_context": self.left_context},
         )
+
+
+def fake_vocoder(profile, talker=None) -> FakeVocoderFactory:
+    """The fake vocoder for a pipeline of `profile`: the codec of its audio
+    stage's engine (`talker`: its ``num_codebooks`` and ``codec_vocab``;
+    the fake talker's when it does not say) and the generation stage's left
+    context. What ``--engine fake`` and a pipeline built by hand (tests,
+    benchmarks) speak with."""
+    return FakeVocoderFactory(
+        num_codebooks=getattr(talker, "num_codebooks", 16),
+        codec_vocab=getattr(talker, "codec_vocab", 2048),
+        left_context=profile.stages[-1].codec_left_context_frames,
+    )

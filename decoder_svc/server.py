@@ -114,8 +114,8 @@ def stage_processes_on(args: argparse.Namespace) -> bool:
 
 
 def _launch_stage_processes(args: argparse.Namespace, profile, model: str) -> dict:
-    """One engine process per AR stage (decoder_svc.stage_proc), ready."""
-    from decoder_svc.stage_proc import launch_stages, stage_specs
+    """One engine process per AR stage (decoder_svc.stage), ready."""
+    from decoder_svc.stage.proxy import launch_stages, stage_specs
 
     specs = stage_specs(
         profile,
@@ -145,17 +145,18 @@ def build_engine(args: argparse.Namespace, profile) -> tuple[dict, dict]:
     the vocoder and the prompts."""
     processes = stage_processes_on(args)
     if args.engine in ("fake", "reference"):
-        from decoder_svc.fake_engine import FakeBackend
+        from decoder_svc.fake_engine import FakeBackend, fake_vocoder
 
         if args.engine == "reference":
             logger.warning("--engine reference is a deprecated name of --engine fake (the test double)")
         if processes:
-            return _launch_stage_processes(args, profile, ""), {}
-        backends = {
-            s.name: FakeBackend(role=s.engine_role or s.name, max_num_seqs=args.max_num_seqs)
-            for s in profile.ar_stages
-        }
-        return backends, {}  # the Pipeline's default vocoder is the fake engine's
+            backends = _launch_stage_processes(args, profile, "")
+        else:
+            backends = {
+                s.name: FakeBackend(role=s.engine_role or s.name, max_num_seqs=args.max_num_seqs)
+                for s in profile.ar_stages
+            }
+        return backends, {"vocoder": fake_vocoder(profile, backends[profile.ar_stages[-1].name])}
     try:
         from decoder_svc.qwen3_omni.checkpoint import CheckpointError
         from decoder_svc.qwen3_omni.engine import build_engine as build_qwen3_omni

@@ -506,14 +506,14 @@ def test_stop_kills_a_worker_that_does_not_stop_and_leaves_no_segment(prefix):
 def run_pipeline(prefix: str, code2wav_workers: int, n: int = 6) -> tuple[dict, list[int]]:
     """A tts batch through the whole pipeline (fake engine, in-process builder)."""
     from decoder_svc.backend import RequestSpec
-    from decoder_svc.fake_engine import FakeBackend
+    from decoder_svc.fake_engine import FakeBackend, fake_vocoder
     from decoder_svc.pipeline import Pipeline
     from omni_common.materialize import payload_tensors
     from omni_common.modality import OutputModality
 
     profile = load_profile("tts")
     pipeline = Pipeline(profile, {s.name: FakeBackend(role=s.engine_role) for s in profile.ar_stages},
-                        materializer_target=None, shm_prefix=prefix, arena=None,
+                        vocoder=fake_vocoder(profile), materializer_target=None, shm_prefix=prefix, arena=None,
                         code2wav_workers=code2wav_workers)
     audio: dict[str, list[bytes]] = {}
     finish: dict[str, str] = {}

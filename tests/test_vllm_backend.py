@@ -23,6 +23,7 @@ import numpy as np  # noqa: E402
 import torch  # noqa: E402
 
 from decoder_svc.backend import RequestSpec  # noqa: E402
+from decoder_svc.fake_engine import fake_vocoder  # noqa: E402
 from decoder_svc.pipeline import Pipeline  # noqa: E402
 from decoder_svc.profile import load_profile  # noqa: E402
 
@@ -205,8 +206,8 @@ def run_tts_pipeline(backend, specs, *, async_path: bool):
     engine-reported tokens and finish reasons, per request."""
     prefix = f"omni-vt-{os.getpid()}-{int(async_path)}"
     arena = ShmArena(prefix, 8, 1 << 20) if async_path else None
-    pipeline = Pipeline(load_profile("tts"), {"talker": backend}, materializer_target=None,
-                        shm_prefix=prefix, arena=arena, in_process_builder=async_path)
+    pipeline = Pipeline(load_profile("tts"), {"talker": backend}, vocoder=fake_vocoder(load_profile("tts"), backend),
+                        materializer_target=None, shm_prefix=prefix, arena=arena, in_process_builder=async_path)
     assert pipeline.decision.use_async is async_path
     reported = record_engine_tokens(backend)
     codes: dict[str, list[np.ndarray]] = defaultdict(list)
@@ -311,8 +312,8 @@ def test_pooling_beside_running_speech(models):
     backend = VLLMBackend(models / "talker", async_scheduling=True, pooling_engine="lazy")
     specs = [RequestSpec(request_id=f"sp{i}", prompt=PROMPTS[i], max_tokens=32, temperature=0.8, seed=i)
              for i in range(6)]
-    pipeline = Pipeline(load_profile("tts"), {"talker": backend}, materializer_target=None, shm_prefix="omni-vt",
-                        arena=None)
+    pipeline = Pipeline(load_profile("tts"), {"talker": backend}, vocoder=fake_vocoder(load_profile("tts"), backend),
+                        materializer_target=None, shm_prefix="omni-vt", arena=None)
     finals: dict[str, str] = {}
     samples: dict[str, int] = defaultdict(int)
     done = threading.Event()
@@ -370,7 +371,8 @@ def test_omni_thinker_hands_hidden_states_to_talker(models):
     thinker_tokens = record_engine_tokens(backends["thinker"])
     talker_tokens = record_engine_tokens(backends["talker"])
     profile = load_profile(STANDIN_OMNI)
-    pipeline = Pipeline(profile, backends, materializer_target=None, shm_prefix="omni-vt-omni", arena=None)
+    pipeline = Pipeline(profile, backends, vocoder=fake_vocoder(profile, backends["talker"]), materializer_target=None,
+                        shm_prefix="omni-vt-omni", arena=None)
     text: dict[str, list[str]] = defaultdict(list)
     new_ids: dict[str, list[int]] = defaultdict(list)
     samples: dict[str, int] = defaultdict(int)

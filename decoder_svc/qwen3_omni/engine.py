@@ -126,7 +126,7 @@ def build_stage_backend(
 ):
     """One AR stage's backend (its vLLM engine) on an opened checkpoint: what
     :func:`build_engine` builds per stage, and what a stage process builds
-    for its own stage (``decoder_svc.stage_proc``)."""
+    for its own stage (``decoder_svc.stage.host``)."""
     role = stage.engine_role or stage.name
     common = dict(
         name=stage.name,
