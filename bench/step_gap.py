@@ -226,8 +226,8 @@ def run_one(
     probe: Callable[[str], None] | None = None,
 ) -> dict[str, Any]:
     from decoder_svc.backend import RequestSpec
-    from decoder_svc.fake_engine import fake_vocoder
     from decoder_svc.pipeline import Pipeline
+    from decoder_svc.testing.fake_engine import fake_vocoder
     from omni_common.modality import OutputModality
     from omni_common.shm_arena import ShmArena
 

@@ -9,9 +9,9 @@ import grpc
 import torch
 
 from decoder_svc.backend import RequestSpec
-from decoder_svc.fake_engine import FakeBackend, fake_vocoder
 from decoder_svc.pipeline import Pipeline
 from decoder_svc.profile import load_profile
+from decoder_svc.testing.fake_engine import FakeBackend, fake_vocoder
 from gateway.audio import pcm16le
 from omni_common.materialize import payload_tensors
 from omni_common.modality import OutputModality

@@ -22,8 +22,8 @@ from decoder_svc.code2wav.chunking import ChunkState
 from decoder_svc.code2wav.core import PendingRequest, next_request
 from decoder_svc.code2wav.pool import Code2WavProcessPool, _Worker
 from decoder_svc.code2wav.thread import Code2WavWorker
-from decoder_svc.fake_engine import FakeVocoderFactory
 from decoder_svc.profile import load_profile
+from decoder_svc.testing.fake_engine import FakeVocoderFactory
 from omni_common.shm_arena import list_segments
 from tests.fakes.code2wav_vocoders import FakeGatedVocoderFactory
 
@@ -506,8 +506,8 @@ def test_stop_kills_a_worker_that_does_not_stop_and_leaves_no_segment(prefix):
 def run_pipeline(prefix: str, code2wav_workers: int, n: int = 6) -> tuple[dict, list[int]]:
     """A tts batch through the whole pipeline (fake engine, in-process builder)."""
     from decoder_svc.backend import RequestSpec
-    from decoder_svc.fake_engine import FakeBackend, fake_vocoder
     from decoder_svc.pipeline import Pipeline
+    from decoder_svc.testing.fake_engine import FakeBackend, fake_vocoder
     from omni_common.materialize import payload_tensors
     from omni_common.modality import OutputModality
 
@@ -562,7 +562,9 @@ def tiny_checkpoint(tmp_path_factory):
     if cached.is_dir():
         return cached
     pytest.importorskip("transformers")
-    import omni_common  # noqa: F401 -- torchvision shim before transformers
+    from omni_common import torchvision_compat
+
+    torchvision_compat.install()  # the torchvision shim, before transformers loads
     from decoder_svc.qwen3_omni.tiny import create_tiny_checkpoint
 
     return create_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "qwen3-omni-tiny")

@@ -24,12 +24,12 @@ import decoder_svc.code2wav.chunking as chunking_mod
 import decoder_svc.link.delivery as delivery_mod
 import decoder_svc.stage.runner as runner_mod
 from decoder_svc.backend import RequestSpec
-from decoder_svc.fake_engine import FakeBackend, fake_vocoder
 from decoder_svc.pipeline import Pipeline
 from decoder_svc.profile import load_profile
 from decoder_svc.server import SERVICE_NAME
 from decoder_svc.servicer import DecoderServicer
 from decoder_svc.snapshot import SnapshotMeta
+from decoder_svc.testing.fake_engine import FakeBackend, fake_vocoder
 from gateway.audio import pcm16le
 from materializer_svc.reference import ReferenceMaterializer
 from materializer_svc.registry import MaterializerConfig

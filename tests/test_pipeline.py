@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from decoder_svc.backend import RequestSpec
-from decoder_svc.fake_engine import FakeBackend, fake_vocoder
 from decoder_svc.pipeline import Pipeline
 from decoder_svc.profile import load_profile
+from decoder_svc.testing.fake_engine import FakeBackend, fake_vocoder
 from gateway.audio import pcm16le
 from materializer_svc.reference import ReferenceMaterializer
 from materializer_svc.registry import MaterializerConfig

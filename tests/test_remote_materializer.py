@@ -20,9 +20,9 @@ import grpc
 import pytest
 
 from decoder_svc.backend import RequestSpec
-from decoder_svc.fake_engine import FakeBackend, fake_vocoder
 from decoder_svc.pipeline import Pipeline
 from decoder_svc.profile import load_profile
+from decoder_svc.testing.fake_engine import FakeBackend, fake_vocoder
 from materializer_svc.reference import ReferenceMaterializer
 from materializer_svc.registry import MaterializerConfig
 from omni_cli.launcher import free_port

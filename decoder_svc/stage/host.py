@@ -38,7 +38,8 @@ from typing import Any
 
 from decoder_svc.backend import RequestSpec
 from decoder_svc.busy import BUSY
-from decoder_svc.spawned import call_factory, pipe_sender
+from decoder_svc.families import family_for
+from decoder_svc.spawned import pipe_sender
 from decoder_svc.stage.assembly import build_stages
 from decoder_svc.stage.messages import (
     STATUS_INTERVAL_S,
@@ -65,18 +66,8 @@ logger = logging.getLogger(__name__)
 
 
 def _build_backend(spec: StageHostSpec):
-    config = spec.config
-    if spec.engine in ("fake", "reference"):
-        kwargs = {"role": config.engine_role or config.name, "max_num_seqs": spec.max_num_seqs, **spec.fake_kwargs}
-        return call_factory(spec.fake_factory or "decoder_svc.fake_engine:FakeBackend", kwargs, "fake_factory")
-    from pathlib import Path
-
-    from decoder_svc.qwen3_omni.cache import default_model_dir
-    from decoder_svc.qwen3_omni.checkpoint import OmniCheckpoint
-    from decoder_svc.qwen3_omni.engine import build_stage_backend
-
-    checkpoint = OmniCheckpoint.open(Path(spec.model) if spec.model else default_model_dir())
-    return build_stage_backend(checkpoint, config, max_num_seqs=min(spec.max_num_seqs, 64))
+    """The stage's backend, from its model family (``decoder_svc.families``)."""
+    return family_for(spec.engine, spec.model).load().build_stage_backend(spec)
 
 
 class _StageHost:

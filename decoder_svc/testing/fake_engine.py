@@ -352,7 +352,7 @@ class FakeVocoderFactory:
     def worker_spec(self) -> tuple[str, dict]:
         """How a code2wav worker process rebuilds this vocoder (factory path, kwargs)."""
         return (
-            "decoder_svc.fake_engine:FakeVocoderFactory",
+            "decoder_svc.testing.fake_engine:FakeVocoderFactory",
             {"num_codebooks": self.num_codebooks, "codec_vocab": self.codebook_size, "left_context": self.left_context},
         )
 
