@@ -150,32 +150,39 @@ class Pipeline:
             else built.runners[s.stage_id]
             for s in self.ar_configs
         }
+        self.settings = self._deployment_settings(settings, options)
+        self.code2wav = self._code2wav(code2wav_workers, vocoder_spec, shm_prefix)
+        self.router.attach(self.runners, self.code2wav)
+
+    def _deployment_settings(self, settings: DeploymentSettings | None, options: Options | None) -> DeploymentSettings:
+        """The given settings, else the deployment's from the engines' facts and `options`."""
         if settings is None:
             produced, instructions = deployment_modalities(self._roles)
             settings = DeploymentSettings.build(
-                profile=profile.name,
+                profile=self.profile.name,
                 output_modalities=produced,
                 supports_instructions=instructions,
-                facts=facts_of([backends[s.name] for s in self.ar_configs], vocoder),
+                facts=facts_of([self.backends[s.name] for s in self.ar_configs], self.vocoder),
                 options=options,
             )
         if settings.output_modalities & OutputModality.AUDIO and not settings.max_first_chunk_frames:
             settings = dataclasses.replace(settings, max_first_chunk_frames=self.gen_config.codec_chunk_frames)
-        self.settings = settings
-        if code2wav_workers < 0:
-            raise InvalidArgumentError("code2wav_workers", f"must be >= 0, got {code2wav_workers}")
-        self.code2wav: Code2WavWorker | Code2WavProcessPool
-        if code2wav_workers > 0:  # worker processes: the vocoder off this interpreter
-            self.code2wav = Code2WavProcessPool(
-                self.gen_config, self.router.emit_audio, vocoder=vocoder, spec=vocoder_spec,
-                shm_prefix=shm_prefix, workers=code2wav_workers, on_error=self._fail_audio, live=self.router.live,
+        return settings
+
+    def _code2wav(self, workers: int, vocoder_spec: VocoderSpec | None,
+                  shm_prefix: str) -> Code2WavWorker | Code2WavProcessPool:
+        """The generation stage: on a thread (0 workers) or in worker processes."""
+        if workers < 0:
+            raise InvalidArgumentError("code2wav_workers", f"must be >= 0, got {workers}")
+        if workers > 0:  # worker processes: the vocoder off this interpreter
+            return Code2WavProcessPool(
+                self.gen_config, self.router.emit_audio, vocoder=self.vocoder, spec=vocoder_spec,
+                shm_prefix=shm_prefix, workers=workers, on_error=self._fail_audio, live=self.router.live,
             )
-        else:
-            self.code2wav = Code2WavWorker(
-                self.gen_config, self.router.emit_audio, vocoder=vocoder, on_error=self._fail_audio,
-                live=self.router.live,
-            )
-        self.router.attach(self.runners, self.code2wav)
+        return Code2WavWorker(
+            self.gen_config, self.router.emit_audio, vocoder=self.vocoder, on_error=self._fail_audio,
+            live=self.router.live,
+        )
 
     # kept for callers that think in one AR stage
     @property

@@ -1,4 +1,4 @@
-"""What the decoder's spawned processes share: rebuilding by import path, sending on a pipe.
+"""What the decoder's spawned processes share: rebuilding by import path, sending on a pipe, starting.
 
 A stage process (``decoder_svc.stage``) and a code2wav worker
 (``decoder_svc.code2wav``) are ``multiprocessing`` "spawn" children: what
@@ -6,12 +6,15 @@ they cannot be sent (an engine backend, a vocoder: torch modules are never
 pickled) they rebuild from an importable factory path and its keyword
 arguments (:func:`call_factory`), and what they report goes back over their
 end of a pipe, from several threads (:func:`pipe_sender`). Messages are the
-typed classes of each side's ``messages`` module, never tagged tuples.
+typed classes of each side's ``messages`` module, never tagged tuples. A
+stage process starts with the intra-op thread count it is given
+(:func:`start_with_threads`).
 """
 
 from __future__ import annotations
 
 import importlib
+import os
 import pickle
 import threading
 from collections.abc import Callable
@@ -50,3 +53,22 @@ def pipe_sender(conn, *, as_bytes: bool = False) -> Callable[[Any], bool]:
             return False
 
     return send
+
+
+_ENV_LOCK = threading.Lock()
+
+
+def start_with_threads(process, threads: int) -> None:
+    """Start `process` with OMP_NUM_THREADS=threads in its environment (0:
+    as ours). OpenMP reads it once, when torch loads: every thread of the
+    process then agrees on the count (vLLM's CPU attention checks that the
+    thread that plans a step and the one that runs it do)."""
+    if threads <= 0 or os.environ.get("OMP_NUM_THREADS"):
+        process.start()
+        return
+    with _ENV_LOCK:
+        os.environ["OMP_NUM_THREADS"] = str(threads)
+        try:
+            process.start()
+        finally:
+            del os.environ["OMP_NUM_THREADS"]

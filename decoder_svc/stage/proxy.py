@@ -9,12 +9,6 @@ link. The decoder process keeps what is not per-stage: the gRPC server,
 requests, routing between stages, code2wav. Between them, two pipes per
 stage carry the typed messages of ``.messages``.
 
-In the pipeline a ``StageProcess`` stands for both the stage's backend
-(``add_request``, ``hand_over``, ``extend_request``, ``abort``, ``embed``,
-and the engine's facts, as explicit properties over the ``StageFacts`` the
-process reported) and its runner (``start``, ``notify``, ``stop``,
-``steps``, the step-time and gap series).
-
 A stage process that exits (SIGKILL included) fails only the requests that
 were on that stage, its arena segment is swept, and it is started again
 (waiting longer after each start that fails); requests given to it
@@ -41,6 +35,7 @@ from decoder_svc import metrics
 from decoder_svc.backend import RequestSpec
 from decoder_svc.busy import BUSY
 from decoder_svc.profile import Profile
+from decoder_svc.spawned import start_with_threads
 from decoder_svc.stage.host import stage_main
 from decoder_svc.stage.messages import (
     Abort,
@@ -64,25 +59,6 @@ from omni_common.shm_arena import sweep_stale
 from omni_serving.v1 import materializer_pb2
 
 logger = logging.getLogger(__name__)
-
-_ENV_LOCK = threading.Lock()
-
-
-def _start_with_threads(process, threads: int) -> None:
-    """Start `process` with OMP_NUM_THREADS=threads in its environment (0:
-    as ours). OpenMP reads it once, when torch loads: every thread of the
-    process then agrees on the count (vLLM's CPU attention checks that the
-    thread that plans a step and the one that runs it do)."""
-    if threads <= 0 or os.environ.get("OMP_NUM_THREADS"):
-        process.start()
-        return
-    with _ENV_LOCK:
-        os.environ["OMP_NUM_THREADS"] = str(threads)
-        try:
-            process.start()
-        finally:
-            del os.environ["OMP_NUM_THREADS"]
-
 
 @dataclass
 class RemoteStepMeta:
@@ -121,8 +97,9 @@ class StageProcess:
     """One AR stage run by a process of its own, seen from the decoder.
 
     It stands in the pipeline for both the stage's backend (``add_request``,
-    ``hand_over``, ``extend_request``, ``abort``, ``embed``, the engine's
-    facts) and its runner (``start``, ``notify``, ``stop``, ``steps``, the
+    ``hand_over``, ``extend_request``, ``abort``, ``embed``, and the engine's
+    facts: explicit properties over the ``StageFacts`` its process reported)
+    and its runner (``start``, ``notify``, ``stop``, ``steps``, the
     step-time and gap series). ``attach`` connects it to the pipeline that
     routes its steps.
 
@@ -182,7 +159,7 @@ class StageProcess:
                 process = self._ctx.Process(target=stage_main, args=(self.spec, cmd_child, ev_child, os.getpid()),
                                             name=f"stage-{self.name}", daemon=True)
                 try:
-                    _start_with_threads(process, self.spec.torch_threads)
+                    start_with_threads(process, self.spec.torch_threads)
                 finally:
                     cmd_child.close()
                     ev_child.close()
