@@ -151,8 +151,19 @@ class Pipeline:
             for s in self.ar_configs
         }
         self.settings = self._deployment_settings(settings, options)
-        self.code2wav = self._code2wav(code2wav_workers, vocoder_spec, shm_prefix)
-        self.router.attach(self.runners, self.code2wav)
+        self.router.attach(self.runners, self._code2wav(code2wav_workers, vocoder_spec, shm_prefix))
+
+    @property
+    def code2wav(self) -> Code2WavWorker | Code2WavProcessPool:
+        """The generation stage (the router feeds it a request's frames)."""
+        code2wav = self.router.code2wav
+        assert code2wav is not None
+        return code2wav
+
+    @code2wav.setter
+    def code2wav(self, code2wav: Code2WavWorker | Code2WavProcessPool) -> None:
+        """Put another generation stage in its place (before ``start``)."""
+        self.router.code2wav = code2wav
 
     def _deployment_settings(self, settings: DeploymentSettings | None, options: Options | None) -> DeploymentSettings:
         """The given settings, else the deployment's from the engines' facts and `options`."""
