@@ -4,7 +4,7 @@
 
 Runs the step-gap measurement for the heavy payload at one batch size in
 every mode, with perf counters around the functions the stage runner calls
-between sampling and the next launch (the names `decoder_svc.pipeline` and
+between sampling and the next launch (the names `decoder_svc.stage.runner` and
 `decoder_svc.snapshot` look up at call time, and the arena's slot methods),
 counted on the stage thread only. The counters are installed for this
 diagnostic run and removed afterwards; the step-gap suite never runs with
@@ -53,16 +53,17 @@ class Counters:
 
 @contextlib.contextmanager
 def instrumented(counters: Counters):
-    import decoder_svc.pipeline as pipeline_mod
-    from decoder_svc.materializer_link import MaterializerLink
-    from decoder_svc.pipeline import Pipeline
+    import decoder_svc.stage.runner as runner_mod
+    from decoder_svc.link.materializer_link import MaterializerLink
+    from decoder_svc.requests import RequestTable
+    from decoder_svc.routing import Router
     from decoder_svc.snapshot import SnapshotMeta
     from omni_common.shm_arena import ShmArena, SlotLease
 
     patches = [
-        (pipeline_mod, "meta_of"), (pipeline_mod, "step_tensors"), (pipeline_mod, "take_snapshot"),
-        (pipeline_mod, "view_from_tensors"), (SnapshotMeta, "view_over"), (pipeline_mod, "build_local_step"),
-        (Pipeline, "_downstream"), (Pipeline, "_deliver"), (MaterializerLink, "submit"),
+        (runner_mod, "meta_of"), (runner_mod, "step_tensors"), (runner_mod, "take_snapshot"),
+        (runner_mod, "view_from_tensors"), (SnapshotMeta, "view_over"), (runner_mod, "build_local_step"),
+        (RequestTable, "downstream"), (Router, "deliver"), (MaterializerLink, "submit"),
         (ShmArena, "acquire"), (SlotLease, "write"), (SlotLease, "mark_ready"),
     ]
     saved = []

@@ -39,10 +39,10 @@ from bench import record
 from bench.common import fmt, machine_md, md_table, ratio, summary
 from decoder_svc.qwen3_omni.code2wav import (
     Code2Wav,
-    Code2WavConfig,
     decode_with_left_context,
     random_tensors,
 )
+from decoder_svc.qwen3_omni.code2wav_layers import Code2WavConfig
 
 TINY_CONFIG: dict[str, Any] = dict(
     codebook_size=2048,

@@ -36,7 +36,7 @@ def default_bench_model_root() -> Path:
 def ensure_talker_model(root: Path | None, hidden_size: int = BENCH_HIDDEN, num_layers: int = BENCH_LAYERS) -> Path:
     """`<root>/h<hidden>-l<layers>/talker`, written once (idempotent).
 
-    Returns the folder that holds `talker/` (what build/VLLMBackend take).
+    Returns the folder that holds `talker/` (what build/StandinBackend take).
     """
     root = Path(root) if root else default_bench_model_root()
     folder = root / f"h{hidden_size}-l{num_layers}"
@@ -46,7 +46,7 @@ def ensure_talker_model(root: Path | None, hidden_size: int = BENCH_HIDDEN, num_
         have = json.loads(cfg.read_text())
         if have.get("hidden_size") == hidden_size and have.get("num_layers") == num_layers and have.get("kind") == "talker":
             return folder
-    from decoder_svc.vllm_engine.models import create_model_atomically
+    from decoder_svc.testing.standin_models import create_model_atomically
 
     log(f"creating a talker checkpoint (hidden {hidden_size}, {num_layers} layer(s)) in {target}")
     create_model_atomically("talker", target, hidden_size=hidden_size, num_layers=num_layers)
@@ -55,9 +55,9 @@ def ensure_talker_model(root: Path | None, hidden_size: int = BENCH_HIDDEN, num_
 
 def build_vllm_talker(model_folder: Path, *, max_num_seqs: int = 64, kv_cache_memory_bytes: int = 768 * 2**20) -> Any:
     """A vLLM talker (async scheduling, as the tts profile sets it) that ignores EOS."""
-    from decoder_svc.vllm_engine.backend import VLLMBackend
+    from decoder_svc.testing.standin_backend import StandinBackend
 
-    class SteadyVLLMBackend(VLLMBackend):
+    class SteadyVLLMBackend(StandinBackend):
         """Benchmark-only: requests run to max_tokens (no early EOS), so a
         batch keeps its size while it is measured."""
 
@@ -101,7 +101,7 @@ def calibrate_work(target_s: float) -> int:
 
 
 def build_reference_talker(*, hidden_size: int = BENCH_HIDDEN, work_per_step: int = 0, max_num_seqs: int = 64) -> Any:
-    from decoder_svc.fake_engine import FakeBackend
+    from decoder_svc.testing.fake_engine import FakeBackend
 
     return FakeBackend(role="talker", hidden_size=hidden_size, work_per_step=work_per_step, max_num_seqs=max_num_seqs)
 

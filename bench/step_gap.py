@@ -225,6 +225,7 @@ def run_one(
 ) -> dict[str, Any]:
     from decoder_svc.backend import RequestSpec
     from decoder_svc.pipeline import Pipeline
+    from decoder_svc.testing.fake_engine import fake_vocoder
     from omni_common.modality import OutputModality
     from omni_common.shm_arena import ShmArena
 
@@ -236,6 +237,7 @@ def run_one(
     pipeline = Pipeline(
         profile,
         {"talker": backend},
+        vocoder=fake_vocoder(profile, backend),
         materializer_target=materializer.target if (remote and materializer) else None,
         shm_prefix=prefix,
         arena=arena,

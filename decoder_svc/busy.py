@@ -11,7 +11,7 @@ overlap / min(busy of each stage) says how much of the stages' work runs side
 by side: 0 while the engines share one process-wide forward lock (engines in
 one process), up to 1 when they run in parallel.
 
-Stages in their own processes (``decoder_svc.stage_proc``) record their
+Stages in their own processes (``decoder_svc.stage``) record their
 forward passes as (start, end) intervals on the host's monotonic clock
 (``time.perf_counter``: CLOCK_MONOTONIC, one clock for all processes) and
 report them; the decoder's tracker adds each with :meth:`ForwardBusy.add_interval`,

@@ -64,7 +64,7 @@ ACTIVE_REQUESTS = Gauge("omni_decoder_active_requests", "Requests running")
 
 
 def attachment_labels(attachment) -> tuple[str, str, str, str, str]:
-    """The MATERIALIZER_INFO labels of a materializer_link.Attachment."""
+    """The MATERIALIZER_INFO labels of a decoder_svc.link.state.Attachment."""
     return (
         attachment.instance_id,
         attachment.implementation,

@@ -6,11 +6,10 @@ import argparse
 import asyncio
 import logging
 import os
-from pathlib import Path
 
 import grpc
 
-from decoder_svc import lengths
+from decoder_svc import families, lengths
 from decoder_svc.pipeline import Pipeline
 from decoder_svc.profile import available_profiles, load_profile
 from decoder_svc.servicer import DecoderServicer
@@ -114,8 +113,8 @@ def stage_processes_on(args: argparse.Namespace) -> bool:
 
 
 def _launch_stage_processes(args: argparse.Namespace, profile, model: str) -> dict:
-    """One engine process per AR stage (decoder_svc.stage_proc), ready."""
-    from decoder_svc.stage_proc import launch_stages, stage_specs
+    """One engine process per AR stage (decoder_svc.stage), ready."""
+    from decoder_svc.stage.proxy import launch_stages, stage_specs
 
     specs = stage_specs(
         profile,
@@ -138,46 +137,29 @@ def _launch_stage_processes(args: argparse.Namespace, profile, model: str) -> di
 
 
 def build_engine(args: argparse.Namespace, profile) -> tuple[dict, dict]:
-    """(backends by stage name, extra Pipeline arguments: vocoder, prepare, vocoder_spec).
+    """(backends by stage name, extra Pipeline arguments: vocoder, prepare).
 
-    With stage processes the backends are ``StageProcess`` es (each engine
-    built in its own process) and this process opens the checkpoint only for
-    the vocoder and the prompts."""
-    processes = stage_processes_on(args)
-    if args.engine in ("fake", "reference"):
-        from decoder_svc.fake_engine import FakeBackend
-
-        if args.engine == "reference":
-            logger.warning("--engine reference is a deprecated name of --engine fake (the test double)")
-        if processes:
-            return _launch_stage_processes(args, profile, ""), {}
-        backends = {
-            s.name: FakeBackend(role=s.engine_role or s.name, max_num_seqs=args.max_num_seqs)
-            for s in profile.ar_stages
-        }
-        return backends, {}  # the Pipeline's default vocoder is the fake engine's
+    The model family (``decoder_svc.families``) comes from ``--engine`` and
+    the checkpoint's config. With stage processes the backends are
+    ``StageProcess`` es (each engine built in its own process) and this
+    process opens the checkpoint only for the vocoder and the prompts."""
+    if args.engine == "reference":
+        logger.warning("--engine reference is a deprecated name of --engine fake (the test double)")
+    family = families.family_for(args.engine, args.model)
     try:
-        from decoder_svc.qwen3_omni.checkpoint import CheckpointError
-        from decoder_svc.qwen3_omni.engine import build_engine as build_qwen3_omni
-        from decoder_svc.qwen3_omni.engine import build_front
+        impl = family.load()
     except ImportError as exc:  # the `cpu`/`cuda` extra is not installed
         raise SystemExit(f"--engine vllm needs vLLM (pip install 'omni-serving[cpu]'): {exc}") from exc
-    if processes:
-        try:
-            front = build_front(profile, Path(args.model) if args.model else None)
-        except CheckpointError as exc:
-            logger.error("cannot serve the model: %s", exc)
-            raise SystemExit(f"decoder: cannot serve the model: {exc}") from exc
-        stages = _launch_stage_processes(args, profile, str(front.checkpoint.path))
-        return stages, {"vocoder": front.vocoder, "prepare": front.prepare}
+    launch = None
+    if stage_processes_on(args):
+        def launch(model: str) -> dict:
+            return _launch_stage_processes(args, profile, model)
     try:
-        engine = build_qwen3_omni(profile, Path(args.model) if args.model else None,
-                                  max_num_seqs=min(args.max_num_seqs, 64))
-    except CheckpointError as exc:
+        parts = impl.build_engine(profile, args.model, max_num_seqs=args.max_num_seqs, launch=launch)
+    except families.UnservableModel as exc:
         logger.error("cannot serve the model: %s", exc)
         raise SystemExit(f"decoder: cannot serve the model: {exc}") from exc
-    # code2wav worker processes rebuild the vocoder from its worker_spec() (the checkpoint directory)
-    return engine.backends, {"vocoder": engine.vocoder, "prepare": engine.prepare}
+    return parts.backends, {"vocoder": parts.vocoder, "prepare": parts.prepare}
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -12,7 +12,8 @@ import grpc
 
 from decoder_svc.backend import RequestSpec
 from decoder_svc.lengths import DeploymentSettings
-from decoder_svc.pipeline import Pipeline, Sink
+from decoder_svc.pipeline import Pipeline
+from decoder_svc.requests import Sink
 from omni_common.errors import InvalidArgumentError, OmniError, UnavailableError, grpc_code_for
 from omni_common.modality import OutputModality
 from omni_common.tensor_wire import encode_inline

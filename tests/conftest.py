@@ -6,7 +6,9 @@ from pathlib import Path
 import pytest
 from fakes import FakeDecoder, remove_dir, short_socket_dir
 
-import omni_common  # noqa: F401 -- the torchvision import shim, before any test imports transformers
+from omni_common import torchvision_compat
+
+torchvision_compat.install()  # the torchvision shim, before transformers loads
 
 
 @pytest.fixture

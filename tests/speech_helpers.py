@@ -9,9 +9,9 @@ import grpc
 import torch
 
 from decoder_svc.backend import RequestSpec
-from decoder_svc.fake_engine import FakeBackend
 from decoder_svc.pipeline import Pipeline
 from decoder_svc.profile import load_profile
+from decoder_svc.testing.fake_engine import FakeBackend, fake_vocoder
 from gateway.audio import pcm16le
 from omni_common.materialize import payload_tensors
 from omni_common.modality import OutputModality
@@ -43,7 +43,8 @@ def reference_audio_sync(text: str, seed: int, profile: str = "tts", voice: str 
     """PCM16 of the same request through the same backend, payloads built
     synchronously in-process (no materializer, no arena)."""
     pipeline = Pipeline(
-        load_profile(profile), {"talker": FakeBackend()}, materializer_target=None, shm_prefix="omni-sync", arena=None
+        load_profile(profile), {"talker": FakeBackend()}, vocoder=fake_vocoder(load_profile(profile)),
+        materializer_target=None, shm_prefix="omni-sync", arena=None,
     )
     assert not pipeline.decision.use_async
     pipeline.start()

@@ -25,8 +25,8 @@ from decoder_svc.qwen3_omni.checkpoint import (
     ARCHITECTURE,
     CheckpointError,
     OmniCheckpoint,
-    required_tensors,
 )
+from decoder_svc.qwen3_omni.checkpoint_tensors import required_tensors
 from tests.fs_helpers import tree_snapshot
 
 INDEX = "model.safetensors.index.json"

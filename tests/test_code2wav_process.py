@@ -1,4 +1,4 @@
-"""code2wav in worker processes (decoder_svc.code2wav_proc): the same audio as
+"""code2wav in worker processes (decoder_svc.code2wav.pool): the same audio as
 the in-thread worker, frames by arena slots, failure of one worker costs only
 its requests, the caller never waits on a busy worker, nothing left in
 /dev/shm. Real processes, real shared memory; the vocoders are the fake
@@ -18,11 +18,12 @@ import pytest
 import torch
 
 from decoder_svc import metrics
-from decoder_svc.code2wav import ChunkState
-from decoder_svc.code2wav_proc import Code2WavProcessPool, PendingRequest, _Worker, next_request
-from decoder_svc.fake_engine import FakeVocoderFactory
-from decoder_svc.pipeline import Code2WavWorker
+from decoder_svc.code2wav.chunking import ChunkState
+from decoder_svc.code2wav.core import PendingRequest, next_request
+from decoder_svc.code2wav.pool import Code2WavProcessPool, _Worker
+from decoder_svc.code2wav.thread import Code2WavWorker
 from decoder_svc.profile import load_profile
+from decoder_svc.testing.fake_engine import FakeVocoderFactory
 from omni_common.shm_arena import list_segments
 from tests.fakes.code2wav_vocoders import FakeGatedVocoderFactory
 
@@ -505,14 +506,14 @@ def test_stop_kills_a_worker_that_does_not_stop_and_leaves_no_segment(prefix):
 def run_pipeline(prefix: str, code2wav_workers: int, n: int = 6) -> tuple[dict, list[int]]:
     """A tts batch through the whole pipeline (fake engine, in-process builder)."""
     from decoder_svc.backend import RequestSpec
-    from decoder_svc.fake_engine import FakeBackend
     from decoder_svc.pipeline import Pipeline
+    from decoder_svc.testing.fake_engine import FakeBackend, fake_vocoder
     from omni_common.materialize import payload_tensors
     from omni_common.modality import OutputModality
 
     profile = load_profile("tts")
     pipeline = Pipeline(profile, {s.name: FakeBackend(role=s.engine_role) for s in profile.ar_stages},
-                        materializer_target=None, shm_prefix=prefix, arena=None,
+                        vocoder=fake_vocoder(profile), materializer_target=None, shm_prefix=prefix, arena=None,
                         code2wav_workers=code2wav_workers)
     audio: dict[str, list[bytes]] = {}
     finish: dict[str, str] = {}
@@ -561,7 +562,9 @@ def tiny_checkpoint(tmp_path_factory):
     if cached.is_dir():
         return cached
     pytest.importorskip("transformers")
-    import omni_common  # noqa: F401 -- torchvision shim before transformers
+    from omni_common import torchvision_compat
+
+    torchvision_compat.install()  # the torchvision shim, before transformers loads
     from decoder_svc.qwen3_omni.tiny import create_tiny_checkpoint
 
     return create_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "qwen3-omni-tiny")
@@ -575,8 +578,8 @@ def test_neural_code2wav_in_a_worker_gives_the_engines_audio_byte_for_byte(prefi
     parent's): a different count may round differently in the last bits."""
     pytest.importorskip("vllm")
     from decoder_svc.qwen3_omni.checkpoint import OmniCheckpoint
-    from decoder_svc.qwen3_omni.code2wav import worker_spec
     from decoder_svc.qwen3_omni.engine import NeuralVocoder
+    from decoder_svc.qwen3_omni.vocoder import worker_spec
 
     ckpt = OmniCheckpoint.open(tiny_checkpoint)
     engine_vocoder = NeuralVocoder(str(ckpt.path), ("ethan", "chelsie"), checkpoint=ckpt)

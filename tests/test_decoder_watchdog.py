@@ -20,15 +20,16 @@ from dataclasses import dataclass
 import grpc
 import pytest
 
-import decoder_svc.materializer_link as link_mod
-import decoder_svc.pipeline as pipeline_mod
+import decoder_svc.code2wav.chunking as chunking_mod
+import decoder_svc.link.delivery as delivery_mod
+import decoder_svc.stage.runner as runner_mod
 from decoder_svc.backend import RequestSpec
-from decoder_svc.fake_engine import FakeBackend
 from decoder_svc.pipeline import Pipeline
 from decoder_svc.profile import load_profile
 from decoder_svc.server import SERVICE_NAME
 from decoder_svc.servicer import DecoderServicer
 from decoder_svc.snapshot import SnapshotMeta
+from decoder_svc.testing.fake_engine import FakeBackend, fake_vocoder
 from gateway.audio import pcm16le
 from materializer_svc.reference import ReferenceMaterializer
 from materializer_svc.registry import MaterializerConfig
@@ -139,6 +140,7 @@ def running(target: str | None = None, *, slots: int = 8, in_process_builder: bo
         pipeline = Pipeline(
             profile,
             {"talker": FakeBackend()},
+            vocoder=fake_vocoder(profile),
             materializer_target=target,
             shm_prefix=PREFIX,
             arena=arena,
@@ -167,8 +169,8 @@ def remote(tmp_path):
 
 def test_dispatcher_build_error_fails_the_step_and_keeps_serving(monkeypatch):
     with running(in_process_builder=True) as (pipeline, arena):
-        fault = raise_once(link_mod.build_local_step, OmniError("injected"))
-        monkeypatch.setattr(link_mod, "build_local_step", fault)
+        fault = raise_once(delivery_mod.build_local_step, OmniError("injected"))
+        monkeypatch.setattr(delivery_mod, "build_local_step", fault)
         check_fault_then_recovery(pipeline, arena, "building the outputs of a decode step failed")
         assert fault.fired and pipeline.link.failed_steps == 1
 
@@ -194,8 +196,8 @@ def test_receiver_delivery_error_fails_the_step_and_keeps_the_stream(monkeypatch
     with running(remote) as (pipeline, arena):
         link = pipeline.link
         assert link.connected
-        fault = raise_once(link.deliver, OmniError("injected"))
-        monkeypatch.setattr(link, "deliver", fault)
+        fault = raise_once(link.delivery.deliver, OmniError("injected"))
+        monkeypatch.setattr(link.delivery, "deliver", fault)
         remote_before = link.remote_steps
         check_fault_then_recovery(pipeline, arena, "building the outputs of a decode step failed")
         assert fault.fired and link.connected and link.remote_steps > remote_before
@@ -207,8 +209,8 @@ def test_receiver_loop_error_fails_over_without_losing_steps(monkeypatch, remote
     are built in-process (no request fails) and the link reconnects."""
     with running(remote) as (pipeline, arena):
         link = pipeline.link
-        fault = raise_once(link._on_response, RuntimeError("injected"))
-        monkeypatch.setattr(link, "_on_response", fault)
+        fault = raise_once(link.transport.on_response, RuntimeError("injected"))
+        monkeypatch.setattr(link.transport, "on_response", fault)
         req = Req("rx", prompt_for(4, 200), 8)
         out = submit(pipeline, req)
         assert out.done.wait(30) and out.error is None, out.error
@@ -223,8 +225,8 @@ def test_receiver_loop_error_fails_over_without_losing_steps(monkeypatch, remote
 
 def test_code2wav_error_fails_the_request_and_the_worker_keeps_serving(monkeypatch):
     with running(in_process_builder=True) as (pipeline, arena):
-        fault = raise_once(pipeline_mod.ChunkState.decode, OmniError("injected"))
-        monkeypatch.setattr(pipeline_mod.ChunkState, "decode", fault)
+        fault = raise_once(chunking_mod.ChunkState.decode, OmniError("injected"))
+        monkeypatch.setattr(chunking_mod.ChunkState, "decode", fault)
         check_fault_then_recovery(pipeline, arena, "audio generation failed")
         assert fault.fired and pipeline.code2wav._thread.is_alive()
 
@@ -235,7 +237,7 @@ def test_code2wav_error_fails_the_request_and_the_worker_keeps_serving(monkeypat
 def test_stage_error_after_taking_a_slot_frees_it(monkeypatch, remote):
     """A step that fails half-way through its snapshot (slot taken, copy
     failed) fails the requests in flight and gives the slot back."""
-    real = pipeline_mod.take_snapshot
+    real = runner_mod.take_snapshot
     calls = []
 
     def failing_copy(meta, tensors, arena, *args, **kwargs):
@@ -246,7 +248,7 @@ def test_stage_error_after_taking_a_slot_frees_it(monkeypatch, remote):
         return real(meta, tensors, arena, *args, **kwargs)
 
     with running(remote) as (pipeline, arena):
-        monkeypatch.setattr(pipeline_mod, "take_snapshot", failing_copy)
+        monkeypatch.setattr(runner_mod, "take_snapshot", failing_copy)
         check_fault_then_recovery(pipeline, arena, "decode step failed")
         assert calls and pipeline.runner._thread.is_alive()
 
@@ -323,6 +325,7 @@ def test_internal_error_reaches_the_client_as_internal_with_a_short_message(monk
     pipeline = Pipeline(
         load_profile("tts"),
         {"talker": FakeBackend()},
+        vocoder=fake_vocoder(load_profile("tts")),
         materializer_target=mat.target,
         shm_prefix=prefix,
         arena=arena,
@@ -342,8 +345,8 @@ def test_internal_error_reaches_the_client_as_internal_with_a_short_message(monk
             )
         )
         assert pipeline.link.connected
-        fault = raise_once(pipeline.link.deliver, OmniError("injected"))
-        monkeypatch.setattr(pipeline.link, "deliver", fault)
+        fault = raise_once(pipeline.link.delivery.deliver, OmniError("injected"))
+        monkeypatch.setattr(pipeline.link.delivery, "deliver", fault)
 
         def generate(rid: str, req: Req) -> list:
             pieces = []

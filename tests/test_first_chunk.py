@@ -26,11 +26,11 @@ import numpy as np
 import pytest
 import yaml
 
-from decoder_svc.code2wav import SAMPLES_PER_FRAME, chunk_boundaries
-from decoder_svc.code2wav_proc import Code2WavProcessPool
-from decoder_svc.fake_engine import FAKE_LOOP_MARKER, FakeVocoderFactory
-from decoder_svc.pipeline import Code2WavWorker
+from decoder_svc.code2wav.chunking import SAMPLES_PER_FRAME, chunk_boundaries
+from decoder_svc.code2wav.pool import Code2WavProcessPool
+from decoder_svc.code2wav.thread import Code2WavWorker
 from decoder_svc.profile import PROFILE_DIR, StageConfig, load_profile
+from decoder_svc.testing.fake_engine import FAKE_LOOP_MARKER, FakeVocoderFactory
 from omni_common.errors import InvalidArgumentError
 from omni_serving.v1 import common_pb2, decoder_pb2, decoder_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 

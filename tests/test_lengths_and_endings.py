@@ -26,7 +26,6 @@ import pytest
 from fakes import remove_dir, short_socket_dir
 
 from decoder_svc.backend import RequestSpec
-from decoder_svc.fake_engine import FAKE_LOOP_MARKER, FakeBackend
 from decoder_svc.lengths import (
     DeploymentSettings,
     EngineFacts,
@@ -35,6 +34,7 @@ from decoder_svc.lengths import (
     deployment_modalities,
 )
 from decoder_svc.servicer import spec_from_pb
+from decoder_svc.testing.fake_engine import FAKE_LOOP_MARKER, FakeBackend
 from omni_common.errors import InvalidArgumentError
 from omni_common.modality import OutputModality
 from omni_common.server import wait_for_health_sync

@@ -38,9 +38,9 @@ import grpc
 import pytest
 
 from decoder_svc.backend import RequestSpec
-from decoder_svc.fake_engine import FakeBackend
 from decoder_svc.pipeline import Pipeline
 from decoder_svc.profile import load_profile
+from decoder_svc.testing.fake_engine import FakeBackend, fake_vocoder
 from gateway.audio import pcm16le
 from materializer_svc.reference import ReferenceMaterializer
 from materializer_svc.registry import MaterializerConfig
@@ -258,6 +258,7 @@ def reference_digests(calls) -> dict[str, str]:
     pipeline = Pipeline(
         profile,
         {"talker": FakeBackend()},
+        vocoder=fake_vocoder(profile),
         materializer_target=None,
         shm_prefix="omni-linkref",
         arena=None,
@@ -554,6 +555,7 @@ def run_pipeline(
     pipeline = Pipeline(
         profile,
         {"talker": FakeBackend()},
+        vocoder=fake_vocoder(profile),
         materializer_target=target,
         shm_prefix=PREFIX,
         arena=arena,
@@ -638,6 +640,7 @@ def test_materializer_absent_at_startup_then_picked_up_while_idle(tmp_path):
         pipeline = Pipeline(
             profile,
             {"talker": FakeBackend()},
+            vocoder=fake_vocoder(profile),
             materializer_target=address,
             shm_prefix=PREFIX,
             arena=arena,

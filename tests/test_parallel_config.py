@@ -298,8 +298,8 @@ def test_qwen3_omni_talker_backend_refuses_tensor_parallel(tmp_path):
 def test_build_backends_passes_the_stage_parallelism_to_the_engine(tmp_path):
     """build_backends hands the stage's keys to vLLM; size 1 keeps the runner in process."""
     pytest.importorskip("vllm")
-    from decoder_svc.vllm_engine import runner_hook as rh
-    from decoder_svc.vllm_engine.profiles import build_backends
+    from decoder_svc.testing.standin_profiles import build_backends
+    from decoder_svc.vllm_engine import engine_factory as rh
 
     path = _write(tmp_path, "tts", "talker", tensor_parallel_size=1, pipeline_parallel_size=1)
     backends = build_backends(
@@ -355,7 +355,7 @@ def test_vllm_general_plugin_entry_point_is_installed():
     from importlib.metadata import entry_points
 
     found = {e.name: e.value for e in entry_points(group="vllm.general_plugins")}
-    assert found.get("omni_serving") == "omni_common.vllm_plugin:register", found
+    assert found.get("omni_serving") == "decoder_svc.vllm_engine.plugin:register", found
 
 
 @pytest.mark.vllm
@@ -364,9 +364,9 @@ def test_vllm_plugin_registers_the_talker_lazily():
     from vllm import ModelRegistry
 
     from decoder_svc.qwen3_omni import talker
-    from omni_common import vllm_plugin
+    from decoder_svc.vllm_engine import plugin as vllm_plugin
 
-    assert vllm_plugin.TALKER_ARCH == talker.TALKER_ARCH
+    assert talker.TALKER_ARCH in vllm_plugin.architectures()
     vllm_plugin.register()
     vllm_plugin.register()  # idempotent
     assert talker.TALKER_ARCH in ModelRegistry.get_supported_archs()
@@ -393,7 +393,7 @@ def test_cpu_thread_binding_default(monkeypatch, cpus, nodes, env, world, want):
     import vllm.utils.cpu_resource_utils as cr
     from vllm.platforms import current_platform
 
-    from decoder_svc.vllm_engine import runner_hook as rh
+    from decoder_svc.vllm_engine import engine_factory as rh
 
     if not current_platform.is_cpu():
         pytest.skip("CPU platform only")

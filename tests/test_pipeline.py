@@ -11,9 +11,9 @@ import pytest
 import torch
 
 from decoder_svc.backend import RequestSpec
-from decoder_svc.fake_engine import FakeBackend
 from decoder_svc.pipeline import Pipeline
 from decoder_svc.profile import load_profile
+from decoder_svc.testing.fake_engine import FakeBackend, fake_vocoder
 from gateway.audio import pcm16le
 from materializer_svc.reference import ReferenceMaterializer
 from materializer_svc.registry import MaterializerConfig
@@ -59,7 +59,7 @@ def backends(profile):
 
 def run_batch(profile_name: str, *, n: int = 8, modality: str = "audio", **kw) -> tuple[dict, Pipeline]:
     profile = load_profile(profile_name)
-    pipeline = Pipeline(profile, backends(profile), shm_prefix="omni-pipetest", **kw)
+    pipeline = Pipeline(profile, backends(profile), vocoder=fake_vocoder(profile), shm_prefix="omni-pipetest", **kw)
     pipeline.start()
     col = Collector()
     try:
@@ -148,7 +148,7 @@ def test_slow_materializer_backpressure_not_unbounded(tmp_path):
     with ServerThread(f"unix://{tmp_path}/m.sock", SlowFakeMaterializer(MaterializerConfig(shm_prefix="omni-pipetest"))) as srv, \
             ShmArena("omni-pipetest", slots, 1 << 20) as arena:
         profile = load_profile("tts")
-        pipeline = Pipeline(profile, backends(profile), materializer_target=srv.target,
+        pipeline = Pipeline(profile, backends(profile), vocoder=fake_vocoder(profile), materializer_target=srv.target,
                             shm_prefix="omni-pipetest", arena=arena, stall_timeout_s=30.0)
         pipeline.start()
         col = Collector()
@@ -235,7 +235,7 @@ class FlakyFakeBackend(FakeBackend):
 
 def test_a_failing_step_fails_its_requests_and_the_stage_keeps_serving():
     profile = load_profile("tts")
-    pipeline = Pipeline(profile, {"talker": FlakyFakeBackend()}, materializer_target=None, shm_prefix="omni-pipetest", arena=None)
+    pipeline = Pipeline(profile, {"talker": FlakyFakeBackend()}, vocoder=fake_vocoder(profile), materializer_target=None, shm_prefix="omni-pipetest", arena=None)
     pipeline.start()
     errors: list[object] = []
     done = threading.Event()

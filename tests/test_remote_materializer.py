@@ -20,9 +20,9 @@ import grpc
 import pytest
 
 from decoder_svc.backend import RequestSpec
-from decoder_svc.fake_engine import FakeBackend
 from decoder_svc.pipeline import Pipeline
 from decoder_svc.profile import load_profile
+from decoder_svc.testing.fake_engine import FakeBackend, fake_vocoder
 from materializer_svc.reference import ReferenceMaterializer
 from materializer_svc.registry import MaterializerConfig
 from omni_common.modality import OutputModality
@@ -134,11 +134,12 @@ def test_a_materializer_of_another_contract_is_refused_then_retried(tmp_path, ca
         pipeline = Pipeline(
             load_profile("tts"),
             {"talker": FakeBackend()},
+            vocoder=fake_vocoder(load_profile("tts")),
             materializer_target=srv.target,
             shm_prefix=PREFIX,
             arena=arena,
         )
-        with caplog.at_level("ERROR", logger="decoder_svc.materializer_link"):
+        with caplog.at_level("ERROR", logger="decoder_svc.link"):
             pipeline.start()
         try:
             link = pipeline.link
@@ -166,6 +167,7 @@ def test_without_get_materializer_info_it_is_contract_1_with_handles(tmp_path):
         pipeline = Pipeline(
             load_profile("tts"),
             {"talker": FakeBackend()},
+            vocoder=fake_vocoder(load_profile("tts")),
             materializer_target=srv.target,
             shm_prefix=PREFIX,
             arena=arena,
@@ -190,6 +192,7 @@ def test_inline_transport_flag_forces_inline(tmp_path):
         pipeline = Pipeline(
             load_profile("tts"),
             {"talker": FakeBackend()},
+            vocoder=fake_vocoder(load_profile("tts")),
             materializer_target=srv.target,
             shm_prefix=PREFIX,
             arena=arena,

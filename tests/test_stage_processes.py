@@ -1,4 +1,4 @@
-"""AR stages in their own processes (decoder_svc.stage_proc): the same outputs
+"""AR stages in their own processes (decoder_svc.stage): the same outputs
 as the stages in the decoder's process, on both output paths and through a
 real materializer; a stage process that dies costs only its requests and
 comes back; an engine's refusal crosses the process unchanged; the stages'
@@ -19,7 +19,8 @@ from decoder_svc.backend import RequestSpec
 from decoder_svc.busy import BUSY
 from decoder_svc.pipeline import Pipeline
 from decoder_svc.profile import load_profile
-from decoder_svc.stage_proc import StageProcess, launch_stages, stage_specs
+from decoder_svc.stage.proxy import StageProcess, launch_stages, stage_specs
+from decoder_svc.testing.fake_engine import fake_vocoder
 from materializer_svc.reference import ReferenceMaterializer
 from materializer_svc.registry import MaterializerConfig
 from omni_common.errors import InvalidArgumentError, UnavailableError
@@ -39,7 +40,8 @@ def start(profile_name: str, *, materializer_target: str | None = None, in_proce
         in_process_builder=in_process_builder, fake_factory=fake_factory, fake_kwargs=fake_kwargs or {},
         **spec_kw), start_timeout_s=120)
     try:
-        pipeline = Pipeline(profile, stages, shm_prefix=PREFIX, materializer_target=materializer_target,
+        pipeline = Pipeline(profile, stages, vocoder=fake_vocoder(profile, stages[profile.ar_stages[-1].name]),
+                            shm_prefix=PREFIX, materializer_target=materializer_target,
                             arena=None, in_process_builder=in_process_builder)
     except BaseException:
         for s in stages.values():

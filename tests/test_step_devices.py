@@ -1,8 +1,9 @@
 """The decode step's device bookkeeping and copies, without an engine.
 
 ``VLLMBackend._on_capture`` / ``_build`` (the step hook's work and row
-selection) and the talker's frame postprocess (``sampled_frame_codes``) run
-on a StepCapture built here, once with host tensors and once with the
+selection: ``decoder_svc.vllm_engine.step_assembly``; the stand-in talker's
+code predictor) and the talker's frame postprocess (``sampled_frame_codes``)
+run on a StepCapture built here, once with host tensors and once with the
 runner's tensors on a fake accelerator (``tests/fake_device.py``: every op's
 operands must be on one device; device-to-host reads are counted). Both runs
 must give the values computed independently in the test. A counting test
@@ -31,8 +32,8 @@ from decoder_svc.backend import LazyDict, LazyList  # noqa: E402
 from decoder_svc.qwen3_omni.code_predictor import CodePredictor  # noqa: E402
 from decoder_svc.qwen3_omni.talker import TalkerRequestState, sampled_frame_codes  # noqa: E402
 from decoder_svc.snapshot import meta_of, step_tensors, take_snapshot  # noqa: E402
-from decoder_svc.vllm_engine.backend import VLLMBackend  # noqa: E402
-from decoder_svc.vllm_engine.runner_hook import StepCapture  # noqa: E402
+from decoder_svc.testing.standin_backend import StandinBackend  # noqa: E402
+from decoder_svc.vllm_engine.capture import StepCapture  # noqa: E402
 from omni_common.materialize import HIDDEN_STATES, SAMPLED_TOKEN_IDS  # noqa: E402
 from omni_common.shm_arena import ShmArena  # noqa: E402
 
@@ -44,9 +45,9 @@ REQS = [f"r{i}-abcdefgh" for i in range(4)]
 EXT = [f"r{i}" for i in range(4)]
 
 
-def _backend(*, talker: bool, cp_weight: torch.Tensor | None = None) -> VLLMBackend:
-    """A VLLMBackend without an engine: only what the step's code reads."""
-    b = object.__new__(VLLMBackend)
+def _backend(*, talker: bool, cp_weight: torch.Tensor | None = None) -> StandinBackend:
+    """A StandinBackend (a VLLMBackend) without an engine: only what the step's code reads."""
+    b = object.__new__(StandinBackend)
     b.role = "talker" if talker else "thinker"
     b.is_talker = talker
     b.capture_hidden = True
@@ -80,7 +81,7 @@ def _capture(hidden: torch.Tensor, sampled: torch.Tensor, discard: list[bool], k
     )
 
 
-def _run_step(b: VLLMBackend, cap: StepCapture, live: list[bool], text: dict, engine_ids: dict):
+def _run_step(b: StandinBackend, cap: StepCapture, live: list[bool], text: dict, engine_ids: dict):
     b._on_capture(cap)
     captured = b._captured.popleft()
     return b._build(captured, live, [e if ok else "" for e, ok in zip(EXT, live, strict=True)],

@@ -250,7 +250,9 @@ def _specs():
 @pytest.fixture(scope="module")
 def omni(tmp_path_factory):
     pytest.importorskip("vllm")
-    import omni_common  # noqa: F401 -- torchvision shim before transformers
+    from omni_common import torchvision_compat
+
+    torchvision_compat.install()  # the torchvision shim, before transformers loads
     from decoder_svc.profile import load_profile
     from decoder_svc.qwen3_omni.engine import build_engine
     from decoder_svc.qwen3_omni.tiny import create_tiny_checkpoint

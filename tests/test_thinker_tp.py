@@ -3,7 +3,7 @@
 With TP 2 vLLM runs the model runner in two worker processes; the decoder
 captures each step in TP rank 0's worker (step hook, and the thinker's layer
 hooks for the talker's input rows) and fetches it after ``engine.step()``
-(decoder_svc/vllm_engine/runner_hook.py, "Worker processes"). On the tiny
+(decoder_svc/vllm_engine/capture.py, "Worker processes"). On the tiny
 Qwen3-Omni checkpoint, greedy, the TP 2 thinker must give what TP 1 gives:
 the same steps (request ids, rows per request), the same tokens, and the same
 captured rows up to the reduction order TP changes (the all-reduce sums the
@@ -41,7 +41,9 @@ ATOL = RTOL = 1e-4 if not torch.cuda.is_available() else 1e-3
 
 @pytest.fixture(scope="module")
 def checkpoint(tmp_path_factory) -> Path:
-    import omni_common  # noqa: F401 -- torchvision shim before transformers
+    from omni_common import torchvision_compat
+
+    torchvision_compat.install()  # the torchvision shim, before transformers loads
     from decoder_svc.qwen3_omni.tiny import create_tiny_checkpoint
 
     return create_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "qwen3-omni-tiny")
@@ -125,7 +127,7 @@ def tp1(checkpoint):
 
 
 def test_thinker_tp2_steps_tokens_and_rows_match_tp1(checkpoint, tp1):
-    from decoder_svc.vllm_engine import runner_hook as rh
+    from decoder_svc.vllm_engine import engine_factory as rh
 
     backend = _thinker(checkpoint, 2, capture_hidden=True)
     try:
@@ -215,13 +217,13 @@ def test_standin_thinker_tp2_hidden_rows_match_tp1(tmp_path):
     """The generic VLLMBackend (stand-in Qwen3 thinker, ``hidden_states``
     captured): the same steps, tokens and last-layer rows with TP 2."""
     from decoder_svc.backend import RequestSpec
-    from decoder_svc.vllm_engine.backend import VLLMBackend
-    from decoder_svc.vllm_engine.models import create_model
+    from decoder_svc.testing.standin_backend import StandinBackend
+    from decoder_svc.testing.standin_models import create_model
 
     model = create_model("thinker", tmp_path / "thinker")
     runs = {}
     for tp in (1, 2):
-        backend = VLLMBackend(model, role="thinker", max_num_seqs=4, tensor_parallel_size=tp)
+        backend = StandinBackend(model, role="thinker", max_num_seqs=4, tensor_parallel_size=tp)
         try:
             assert backend.capture_hidden
             for i, text in enumerate(PROMPTS):

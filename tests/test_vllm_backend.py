@@ -25,6 +25,7 @@ import torch  # noqa: E402
 from decoder_svc.backend import RequestSpec  # noqa: E402
 from decoder_svc.pipeline import Pipeline  # noqa: E402
 from decoder_svc.profile import load_profile  # noqa: E402
+from decoder_svc.testing.fake_engine import fake_vocoder  # noqa: E402
 
 STANDIN_OMNI = os.path.join(os.path.dirname(__file__), "fakes", "standin_omni.yaml")
 from omni_common.materialize import (  # noqa: E402
@@ -57,7 +58,7 @@ TALKER_STOP_IDS = list(range(300, 316))
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     pytest.importorskip("vllm")
-    from decoder_svc.vllm_engine.profiles import create_profile_models
+    from decoder_svc.testing.standin_profiles import create_profile_models
 
     root = tmp_path_factory.mktemp("vllm-models")
     dirs = create_profile_models(load_profile(STANDIN_OMNI), root)
@@ -114,11 +115,11 @@ def test_hidden_capture_prefix_cache_and_embedding(models):
     """argmax(hidden @ lm_head.T) == sampled token for greedy rows (async
     scheduling + prefix caching on); spans describe exactly the rows present
     when cached prompt tokens have none; embed() == normalised last hidden."""
-    from decoder_svc.vllm_engine import runner_hook as rh
-    from decoder_svc.vllm_engine.backend import VLLMBackend
-    from decoder_svc.vllm_engine.models import CORPUS
+    from decoder_svc.testing.standin_backend import StandinBackend
+    from decoder_svc.testing.standin_models import CORPUS
+    from decoder_svc.vllm_engine import engine_factory as rh
 
-    b = VLLMBackend(models / "thinker", capture_hidden=True, enable_prefix_caching=True,
+    b = StandinBackend(models / "thinker", capture_hidden=True, enable_prefix_caching=True,
                     async_scheduling=True, max_num_seqs=16)
     try:
         facts = b.engine_facts()
@@ -205,8 +206,8 @@ def run_tts_pipeline(backend, specs, *, async_path: bool):
     engine-reported tokens and finish reasons, per request."""
     prefix = f"omni-vt-{os.getpid()}-{int(async_path)}"
     arena = ShmArena(prefix, 8, 1 << 20) if async_path else None
-    pipeline = Pipeline(load_profile("tts"), {"talker": backend}, materializer_target=None,
-                        shm_prefix=prefix, arena=arena, in_process_builder=async_path)
+    pipeline = Pipeline(load_profile("tts"), {"talker": backend}, vocoder=fake_vocoder(load_profile("tts"), backend),
+                        materializer_target=None, shm_prefix=prefix, arena=arena, in_process_builder=async_path)
     assert pipeline.decision.use_async is async_path
     reported = record_engine_tokens(backend)
     codes: dict[str, list[np.ndarray]] = defaultdict(list)
@@ -263,11 +264,11 @@ def test_pipeline_sync_and_async_paths_give_identical_audio(models):
     over a shm arena, engine with async scheduling, built by build_backends
     from the tts profile) give byte-identical audio; code2wav's codebook 0 is
     exactly what the engine reported."""
-    from decoder_svc.vllm_engine.backend import VLLMBackend
-    from decoder_svc.vllm_engine.profiles import build_backends
+    from decoder_svc.testing.standin_backend import StandinBackend
+    from decoder_svc.testing.standin_profiles import build_backends
 
     specs = speech_specs(10)
-    sync_backend = VLLMBackend(models / "talker", async_scheduling=False, stop_token_ids=TALKER_STOP_IDS,
+    sync_backend = StandinBackend(models / "talker", async_scheduling=False, stop_token_ids=TALKER_STOP_IDS,
                                pooling_engine="off")
     assert sync_backend.engine_facts()["async_scheduling"] is False
     sync = run_tts_pipeline(sync_backend, specs, async_path=False)
@@ -306,13 +307,13 @@ def test_pipeline_sync_and_async_paths_give_identical_audio(models):
 def test_pooling_beside_running_speech(models):
     """embed() while speech requests decode in the stage thread: it returns an
     embedding, and every speech request still finishes normally."""
-    from decoder_svc.vllm_engine.backend import VLLMBackend
+    from decoder_svc.testing.standin_backend import StandinBackend
 
-    backend = VLLMBackend(models / "talker", async_scheduling=True, pooling_engine="lazy")
+    backend = StandinBackend(models / "talker", async_scheduling=True, pooling_engine="lazy")
     specs = [RequestSpec(request_id=f"sp{i}", prompt=PROMPTS[i], max_tokens=32, temperature=0.8, seed=i)
              for i in range(6)]
-    pipeline = Pipeline(load_profile("tts"), {"talker": backend}, materializer_target=None, shm_prefix="omni-vt",
-                        arena=None)
+    pipeline = Pipeline(load_profile("tts"), {"talker": backend}, vocoder=fake_vocoder(load_profile("tts"), backend),
+                        materializer_target=None, shm_prefix="omni-vt", arena=None)
     finals: dict[str, str] = {}
     samples: dict[str, int] = defaultdict(int)
     done = threading.Event()
@@ -361,7 +362,7 @@ def test_pooling_beside_running_speech(models):
 def test_omni_thinker_hands_hidden_states_to_talker(models):
     """omni profile via build_backends: the thinker streams text, its hidden
     rows become the talker's prompt embeds, and the talker's codes become audio."""
-    from decoder_svc.vllm_engine.profiles import build_backends
+    from decoder_svc.testing.standin_profiles import build_backends
 
     backends = build_backends(load_profile(STANDIN_OMNI), models, max_num_seqs=8)
     assert set(backends) == {"thinker", "talker"}
@@ -370,7 +371,8 @@ def test_omni_thinker_hands_hidden_states_to_talker(models):
     thinker_tokens = record_engine_tokens(backends["thinker"])
     talker_tokens = record_engine_tokens(backends["talker"])
     profile = load_profile(STANDIN_OMNI)
-    pipeline = Pipeline(profile, backends, materializer_target=None, shm_prefix="omni-vt-omni", arena=None)
+    pipeline = Pipeline(profile, backends, vocoder=fake_vocoder(profile, backends["talker"]), materializer_target=None,
+                        shm_prefix="omni-vt-omni", arena=None)
     text: dict[str, list[str]] = defaultdict(list)
     new_ids: dict[str, list[int]] = defaultdict(list)
     samples: dict[str, int] = defaultdict(int)

@@ -1,3 +1,5 @@
 """Qwen3-Omni-MoE: checkpoint loading, the thinker and talker on vLLM, Code2Wav."""
 
-import omni_common  # noqa: F401 -- installs the torchvision import shim before transformers loads
+from omni_common import torchvision_compat
+
+torchvision_compat.install()  # before transformers loads (its image code imports torchvision)

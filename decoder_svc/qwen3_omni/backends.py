@@ -12,7 +12,7 @@ alignment, row selection, snapshots) with the model-specific parts:
   the runner lives in vLLM's worker processes: the layer hooks are installed
   in the worker of TP rank 0 (:func:`_install_rows_in_worker`, run there by
   ``collective_rpc``) and its rows come back with each step's capture
-  (:class:`decoder_svc.vllm_engine.runner_hook.WorkerCapture`). A layer's
+  (:class:`decoder_svc.vllm_engine.capture.WorkerCapture`). A layer's
   output is complete on every TP rank (each layer ends in an all-reduce).
 - :class:`TalkerBackend`: the talker (:mod:`.talker`) on a config view in the
   model cache. A request's prompt embeddings are built from the thinker's
@@ -39,8 +39,9 @@ import torch
 
 from decoder_svc.backend import RequestSpec
 from decoder_svc.profile import IN_PROCESS_RUNNER
-from decoder_svc.vllm_engine import runner_hook as rh
 from decoder_svc.vllm_engine.backend import VLLMBackend
+from decoder_svc.vllm_engine.capture import StepCapture, add_worker_extra, is_capturing_rank
+from decoder_svc.vllm_engine.engine_factory import get_model_runner, runs_in_process
 from omni_common.errors import FailedPreconditionError, InvalidArgumentError
 
 from .cache import derived_dir
@@ -72,7 +73,9 @@ def prepare_vllm() -> None:
         Qwen3OmniMoeThinkerForConditionalGeneration,
     )
 
-    import omni_common  # noqa: F401 -- torchvision import shim, before vLLM imports transformers' image code
+    from omni_common import torchvision_compat
+
+    torchvision_compat.install()  # before vLLM imports transformers' image code
 
     ModelRegistry.register_model(THINKER_ARCH, Qwen3OmniMoeThinkerForConditionalGeneration)
     register()
@@ -124,10 +127,10 @@ def _install_rows_in_worker(worker: Any, layer: int) -> bool:
     """Run in each worker process (``collective_rpc``; module level, so it is
     pickled by name): on TP rank 0, hook the thinker's layers and add their
     rows to each kept capture. True where installed."""
-    if not rh.is_capturing_rank():
+    if not is_capturing_rank():
         return False
     rows = _ThinkerRows(worker.model_runner.model, layer)
-    rh.add_worker_extra(lambda cap: rows.take(cap.num_tokens))
+    add_worker_extra(lambda cap: rows.take(cap.num_tokens))
     return True
 
 
@@ -154,7 +157,6 @@ class ThinkerBackend(VLLMBackend):
         self.eos_token_id = int(cfg["im_end_token_id"])
         self.num_codebooks = 1
         self.codec_vocab = self.vocab_size
-        self._cp_weight = None
 
     def _engine_kwargs(self) -> dict[str, Any]:
         prepare_vllm()
@@ -169,8 +171,8 @@ class ThinkerBackend(VLLMBackend):
     def _after_engine(self) -> None:
         if self.capture_talker_inputs:
             layer = int(self.checkpoint.talker_config["accept_hidden_layer"])
-            if rh.runs_in_process(self.engine):
-                self._rows = _ThinkerRows(rh.get_model_runner(self.engine).model, layer)
+            if runs_in_process(self.engine):
+                self._rows = _ThinkerRows(get_model_runner(self.engine).model, layer)
             else:  # tensor parallelism: in the capturing worker (rows come with its captures)
                 installed = self.engine.collective_rpc(_install_rows_in_worker, args=(layer,))
                 if list(installed).count(True) != 1:  # pragma: no cover - rank layout changed
@@ -183,7 +185,7 @@ class ThinkerBackend(VLLMBackend):
 
         return AutoTokenizer.from_pretrained(str(self.checkpoint.path))
 
-    def _extra_outputs(self, cap: rh.StepCapture) -> dict[str, torch.Tensor]:
+    def _extra_outputs(self, cap: StepCapture) -> dict[str, torch.Tensor]:
         return self._rows.take(cap.num_tokens) if self._rows is not None else {}
 
     def _prompt(self, spec: RequestSpec) -> dict[str, Any]:
@@ -293,7 +295,6 @@ class TalkerBackend(VLLMBackend):
         self.eos_token_id = self.ids_codec_eos
         self.num_codebooks = int(talker["num_code_groups"])
         self.codec_vocab = int(talker["code_predictor_config"]["vocab_size"])
-        self._cp_weight = None
 
     def _engine_kwargs(self) -> dict[str, Any]:
         prepare_vllm()
@@ -305,7 +306,7 @@ class TalkerBackend(VLLMBackend):
                 "enable_chunked_prefill": False, "max_num_batched_tokens": self._max_model_len}
 
     def _after_engine(self) -> None:
-        runner = rh.get_model_runner(self.engine)
+        runner = get_model_runner(self.engine)
         self._model = runner.model
         self._model.bind_runner(runner)
         self._thinker_embed_table()
@@ -469,7 +470,7 @@ class TalkerBackend(VLLMBackend):
 
     # -- the step --------------------------------------------------------------------
     def _codes(
-        self, cap: rh.StepCapture, tokens: torch.Tensor, row_ok: torch.Tensor
+        self, cap: StepCapture, tokens: torch.Tensor, row_ok: torch.Tensor
     ) -> torch.Tensor:
         # host ids/mask for the per-request bookkeeping, the sampler's own
         # ids and the last hidden rows on the device for the code predictor

@@ -29,7 +29,7 @@ from omni_common.materialize import sources_of
 from .backends import THINKER_EMBED, THINKER_HIDDEN, TalkerBackend, ThinkerBackend
 from .cache import default_model_dir
 from .checkpoint import OmniCheckpoint
-from .code2wav import CheckpointVocoder
+from .vocoder import CheckpointVocoder
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +126,7 @@ def build_stage_backend(
 ):
     """One AR stage's backend (its vLLM engine) on an opened checkpoint: what
     :func:`build_engine` builds per stage, and what a stage process builds
-    for its own stage (``decoder_svc.stage_proc``)."""
+    for its own stage (``decoder_svc.stage.host``)."""
     role = stage.engine_role or stage.name
     common = dict(
         name=stage.name,

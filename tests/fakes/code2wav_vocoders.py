@@ -10,7 +10,7 @@ import time
 
 import numpy as np
 
-from decoder_svc.fake_engine import FakeVocoderFactory, FakeVocoderStream
+from decoder_svc.testing.fake_engine import FakeVocoderFactory, FakeVocoderStream
 
 
 class FakeFailingStream:

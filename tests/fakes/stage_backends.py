@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 
 from decoder_svc.backend import RequestSpec
-from decoder_svc.fake_engine import FakeBackend
+from decoder_svc.testing.fake_engine import FakeBackend
 from omni_common.errors import InvalidArgumentError
 
 REFUSED_MARKER = "refuse-me"

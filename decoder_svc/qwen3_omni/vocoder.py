@@ -1,0 +1,67 @@
+"""The checkpoint's Code2Wav as the generation stage's vocoder, and how a worker rebuilds it.
+
+``CheckpointVocoder`` puts the Qwen3-Omni Code2Wav (``.code2wav``) behind the
+streaming-vocoder interface of ``decoder_svc.code2wav`` (``new_stream``,
+``voices``, ``sample_rate``, ``num_codebooks``, ``codebook_size``), from the
+checkpoint directory alone (read only). A code2wav worker process rebuilds it
+from ``worker_spec()``: an importable factory path and keyword arguments,
+nothing of torch pickled.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from .code2wav import SAMPLE_RATE, Code2Wav, Code2WavStream
+
+
+class _NumpyStream:
+    """A Code2WavStream behind the generation stage's numpy interface."""
+
+    def __init__(self, stream: Code2WavStream) -> None:
+        self._stream = stream
+
+    def push(self, codes: np.ndarray) -> np.ndarray:
+        t = torch.from_numpy(np.ascontiguousarray(codes, dtype=np.int64))
+        return self._stream.push(t).numpy()
+
+
+class CheckpointVocoder:
+    """The checkpoint's Code2Wav behind the generation stage's streaming
+    interface, built from the checkpoint directory alone (read only): what a
+    code2wav worker process rebuilds from ``worker_spec()``. Same arithmetic
+    as the engine's vocoder: the same tensors, the same stream."""
+
+    def __init__(self, model_dir: str, voices: Sequence[str], checkpoint: Any = None) -> None:
+        """model_dir: the checkpoint directory; checkpoint: the same, already
+        open (the decoder's engine has it), else it is opened here."""
+        if checkpoint is None:
+            from decoder_svc.qwen3_omni.checkpoint import OmniCheckpoint
+
+            checkpoint = OmniCheckpoint.open(model_dir)
+        self.model_dir = str(checkpoint.path)
+        self.model = Code2Wav.from_config_and_tensors(checkpoint.code2wav_config, checkpoint.tensors("code2wav."))
+        self.voices = tuple(voices)
+        self.sample_rate = int(getattr(self.model, "sample_rate", SAMPLE_RATE))
+        self.num_codebooks = int(self.model.num_quantizers)
+        self.frames_per_second = self.sample_rate / int(self.model.samples_per_frame)
+        self.codebook_size = int(checkpoint.code2wav_config["codebook_size"])
+
+    def new_stream(self, voice: str) -> _NumpyStream:  # the voice is in the codes already
+        return _NumpyStream(self.model.new_stream())
+
+    def worker_spec(self) -> tuple[str, dict[str, Any]]:
+        return worker_spec(self.model_dir, self.voices)
+
+
+def worker_spec(model_dir: str | Any, voices: Sequence[str]) -> tuple[str, dict[str, Any]]:
+    """How a code2wav worker process rebuilds the vocoder of the checkpoint in
+    `model_dir` (factory path, keyword arguments; nothing of torch pickled)."""
+    return (
+        "decoder_svc.qwen3_omni.vocoder:CheckpointVocoder",
+        {"model_dir": str(model_dir), "voices": [str(v) for v in voices]},
+    )

@@ -1,0 +1,12 @@
+"""The AR stages: their decode loops, and the processes they run in.
+
+- :mod:`.runner`: ``StageRunner``, the decode loop of one AR stage (the critical path);
+- :mod:`.assembly`: ``build_stages``, each stage's guard decision, the arena,
+  the materializer link and the runners, built the same way in the
+  decoder's process and in a stage process;
+- :mod:`.host`: a stage process, the child side (``stage_main``);
+- :mod:`.proxy`: a stage process seen from the decoder (``StageProcess``,
+  ``launch_stages``, ``stage_specs``);
+- :mod:`.messages`: what crosses a stage process's pipes (typed messages)
+  and what it is started with (``StageHostSpec``).
+"""

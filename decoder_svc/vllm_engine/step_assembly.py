@@ -1,0 +1,302 @@
+"""Step assembly: a captured engine step turned into the ``StepOutput`` the decode loop hands on.
+
+Two halves, both on the stage thread:
+
+- :func:`take_capture`, in the step hook (inside ``engine.step()``, or right
+  after it for a capture fetched from a worker process): the sampled ids
+  come to the host (the step's one device-to-host copy; a copy in any case,
+  int32 -> int64, so the sampler's tensor is never touched), with the
+  runner's host metadata; hidden rows, codes and extras stay the runner's
+  tensors on its device (``.backend``'s module docstring: why that is safe,
+  and when -- CUDA graphs -- the one copy is taken here instead);
+- :func:`build_step`, once the engine processed the step: batched row
+  selection. Rows dropped (consistently across request ids, spans, tokens,
+  hidden rows and codes): rows whose sampled token is discarded (a partial
+  prefill chunk) or a ``-1`` placeholder, and rows of requests that already
+  finished or were aborted. When every row is kept (the common step) the
+  capture's tensors are handed on as they are; otherwise rows are picked
+  with index tensors on the tensors' own device (no boolean masks: their
+  size is data-dependent, which would sync). Per-request lists and dicts are
+  :class:`decoder_svc.backend.LazyList` / ``LazyDict``: built where they are
+  read (the snapshot's sender thread, the router), not in the step.
+
+Rows of requests that already finished or were aborted are dropped because
+async scheduling schedules step N + 1 before it sees that a request stopped
+at step N.
+
+The critical path: per step only one device-to-host copy of the sampled ids
+(``[n, 1 + num_spec]``, the step's one sync; everything host-side is decided
+from it and the runner's host-side metadata), the talker's code predictor
+(on the device), and row selection. Large tensors are never copied here:
+``hidden_states`` and the per-token extras are the runner's own tensors of
+the step (:func:`.capture.outputs_are_fresh` says why that is safe, and
+when -- CUDA graphs -- the one copy is taken instead), so the snapshot's
+slot copy is the step's only copy of them.
+
+Prefix caching: cached prompt tokens are not scheduled, so they have no hidden
+rows; ``query_start_loc`` / ``num_scheduled_tokens`` / ``spans`` describe
+exactly the rows present in ``hidden_states`` (taken from the runner's
+``query_start_loc`` at sample time, recomputed after dropping rows). The code
+predictor reads only each request's last scheduled row. A consumer that needs
+every prompt row (the thinker's hidden states as talker conditioning) must
+run that stage with prefix caching off, as the shipped profiles do.
+
+Speculative decoding (thinker only): ``sampled_token_ids`` holds each row's
+last kept token and ``new_token_ids`` every token the engine kept; hidden
+rows include the draft positions the step scheduled.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Container, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from decoder_svc.backend import LazyDict, LazyList, StepOutput
+from omni_common.materialize import PER_REQUEST as TENSOR_LAYOUT_PER_REQUEST
+from omni_common.materialize import PER_TOKEN as TENSOR_LAYOUT_PER_TOKEN
+
+from .capture import StepCapture
+
+__all__ = ["Captured", "VLLMStepOutput", "build_step", "engine_outputs", "pop_capture", "take_capture"]
+
+
+@dataclass
+class VLLMStepOutput(StepOutput):
+    """StepOutput plus the runner's capture index of the step (diagnostics).
+
+    ``new_token_ids[rid]`` (thinker) lists every token the row accepted this
+    step (one without speculative decoding, where it equals
+    ``sampled_token_ids[i]``); ``text_deltas[rid]`` (thinker) is the engine's
+    detokenized delta for it, possibly "" (incomplete UTF-8 is held back).
+    """
+
+    engine_step: int = -1
+
+
+def _new_token_ids(
+    request_ids: list[str], tokens: torch.Tensor, engine_ids: dict[str, list[int]]
+) -> dict[str, list[int]]:
+    """Per request: the tokens the engine reported, else the captured one."""
+    captured = tokens[:, 0].tolist()
+    return {rid: engine_ids.get(rid) or [t] for rid, t in zip(request_ids, captured, strict=True)}
+
+
+class _Picker:
+    """Row selection on each tensor's own device: the host index tensors are
+    moved to a device once per step (an index of known length: no sync)."""
+
+    def __init__(self, rows: torch.Tensor, token_rows: torch.Tensor) -> None:
+        self._host = {"rows": rows, "tokens": token_rows}
+        self._on: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+    def _index(self, kind: str, device: torch.device) -> torch.Tensor:
+        key = (kind, device)
+        idx = self._on.get(key)
+        if idx is None:
+            idx = self._on[key] = self._host[kind].to(device, non_blocking=True)
+        return idx
+
+    def rows(self, t: torch.Tensor) -> torch.Tensor:
+        return t.index_select(0, self._index("rows", t.device))
+
+    def tokens(self, t: torch.Tensor) -> torch.Tensor:
+        return t.index_select(0, self._index("tokens", t.device))
+
+
+@dataclass
+class Captured:
+    """One engine step as seen by the hook (stage thread), detached."""
+
+    key: Any  # the step's SchedulerOutput (identity)
+    step_index: int
+    req_ids: list[str]  # internal ids, batch order
+    row_ok: torch.Tensor  # [n] bool (host): a token was sampled and kept
+    all_ok: bool  # row_ok.all()
+    num_scheduled: torch.Tensor  # [n] int32 (host)
+    query_start_loc: torch.Tensor  # [n + 1] int32 (host)
+    tokens: torch.Tensor  # [n, 1] int64 (host): the row's last accepted token
+    accepted: torch.Tensor | None  # [n, S] int64 (host; -1 = none), only when S > 1
+    hidden: torch.Tensor | None  # [T, H] float32 (device; capture_hidden): the runner's tensor or the one copy
+    codes: torch.Tensor | None  # [n, K] int64 (device; talker)
+    extra: dict[str, torch.Tensor]  # per-token tensors [T, ...] (device; model-specific)
+
+
+def take_capture(
+    cap: StepCapture,
+    *,
+    key: Any = None,
+    codes_of: Callable[[StepCapture, torch.Tensor, torch.Tensor], torch.Tensor] | None,
+    extra: dict[str, torch.Tensor] | None,
+    extra_of: Callable[[StepCapture], dict[str, torch.Tensor]],
+    capture_hidden: bool,
+    copy_hidden: bool,
+) -> Captured:
+    """One captured step, detached from the runner's bookkeeping (module
+    docstring). key: the step's SchedulerOutput (identity; default the
+    capture's own); codes_of: the
+    talker's frame codes of each row (``(cap, tokens [n, 1], row_ok [n]) ->
+    [n, K]``; None: not a talker); extra: the per-token extras fetched with
+    the capture, else ``extra_of(cap)``; capture_hidden / copy_hidden: keep
+    the hidden rows, and take the one copy of them."""
+    sampled = cap.sampled_token_ids.to("cpu", torch.int64, copy=True)
+    n, s = sampled.shape
+    if s == 1:
+        row_ok = ~cap.discard_mask.to(torch.bool)
+        row_ok &= sampled[:, 0] >= 0
+        tokens, accepted = sampled, None
+    else:  # speculative decoding: accepted tokens are a prefix, -1 after
+        nvalid = (sampled >= 0).sum(1)
+        row_ok = (~cap.discard_mask.to(torch.bool)) & (nvalid > 0)
+        tokens = sampled.gather(1, (nvalid - 1).clamp(min=0)[:, None])
+        accepted = sampled
+    codes = codes_of(cap, tokens, row_ok) if codes_of is not None else None
+    hidden = None
+    if capture_hidden:
+        hidden = cap.hidden_states
+        if copy_hidden or hidden.dtype != torch.float32:
+            # the one copy (a CUDA graph's buffer is rewritten by the next
+            # replay); a conversion from the model's dtype is folded in
+            hidden = hidden.to(torch.float32, copy=True)
+    if extra is None:
+        extra = extra_of(cap)
+    return Captured(
+        key=cap.scheduler_output if key is None else key,
+        step_index=cap.step_index,
+        req_ids=cap.req_ids,
+        row_ok=row_ok,
+        all_ok=bool(row_ok.all()),
+        num_scheduled=cap.num_scheduled_tokens,
+        query_start_loc=cap.query_start_loc,
+        tokens=tokens,
+        accepted=accepted,
+        hidden=hidden,
+        codes=codes,
+        extra=extra,
+    )
+
+
+def build_step(
+    cap: Captured,
+    live: list[bool],
+    ext_ids: list[str],
+    finished: dict[str, str],
+    text: dict[str, str],
+    engine_ids: dict[str, list[int]],
+    *,
+    is_talker: bool,
+) -> tuple[VLLMStepOutput, int]:
+    """(the step's output, rows dropped): batched row selection, dropping
+    dead / discarded / placeholder rows.
+
+    Critical path: when every row is kept (the common step) the capture's
+    tensors are handed on as they are; otherwise rows are picked with one
+    index per device. Per-request lists and dicts are lazy."""
+    n_all = len(cap.req_ids)
+    dropped = 0
+    if cap.all_ok and all(live):
+        request_ids = ext_ids
+        rows: Any = LazyList(lambda: range(n_all))
+        nst, qsl, tokens = cap.num_scheduled, cap.query_start_loc, cap.tokens
+        hidden, codes, extra = cap.hidden, cap.codes, cap.extra
+    else:
+        keep = cap.row_ok & torch.tensor(live, dtype=torch.bool)
+        idx = keep.nonzero().squeeze(1)  # host
+        rows = idx.tolist()
+        dropped = n_all - len(rows)
+        request_ids = [ext_ids[i] for i in rows]
+        nst = cap.num_scheduled[idx]
+        qsl = torch.zeros(len(rows) + 1, dtype=torch.int32)
+        qsl[1:] = torch.cumsum(nst, 0)
+        # token rows of the kept requests, in order: [sum(nst)] int64
+        starts = cap.query_start_loc[:-1][idx].to(torch.int64)
+        tok_idx = torch.arange(int(qsl[-1]), dtype=torch.int64) + torch.repeat_interleave(
+            starts - qsl[:-1].to(torch.int64), nst.to(torch.int64)
+        )
+        tokens = cap.tokens[idx]
+        pick = _Picker(idx, tok_idx)
+        hidden = None if cap.hidden is None else pick.tokens(cap.hidden)
+        codes = None if cap.codes is None else pick.rows(cap.codes)
+        extra = {name: pick.tokens(t) for name, t in cap.extra.items()}
+    new_ids: Any = {}
+    deltas: Any = {}
+    if not is_talker:  # text stage: token ids + text per row, as the engine reports them
+        if cap.accepted is not None:
+            # speculative decoding: a row may have sampled past the request's
+            # end (the scheduler cuts at max_tokens / stop); its last token
+            # is the last one the engine kept.
+            new_ids = _new_token_ids(request_ids, tokens, engine_ids)
+            tokens = torch.tensor(
+                [[new_ids[rid][-1]] for rid in request_ids], dtype=torch.int64
+            ).reshape(-1, 1)
+        else:
+            step_tokens = tokens
+            new_ids = LazyDict(lambda: _new_token_ids(request_ids, step_tokens, engine_ids))
+        deltas = LazyDict(lambda: {rid: text.get(rid, "") for rid in request_ids})
+    mm: dict[str, tuple[torch.Tensor, int]] = {
+        name: (t, TENSOR_LAYOUT_PER_TOKEN) for name, t in extra.items()
+    }
+    if codes is not None:
+        mm["codec_codes"] = (codes, TENSOR_LAYOUT_PER_REQUEST)
+    done: dict[str, str] = {}
+    if finished:  # rare: a set of this step's ids only then
+        present = set(request_ids)
+        done = {r: why for r, why in finished.items() if r in present}
+    counts = nst
+    out = VLLMStepOutput(
+        request_ids=request_ids,
+        batch_indices=rows,
+        num_scheduled_tokens=LazyList(lambda: counts.tolist()),
+        query_start_loc=qsl,
+        sampled_token_ids=tokens,
+        hidden_states=hidden,
+        mm_outputs=mm,
+        finished=done,
+        text_deltas=deltas,
+        new_token_ids=new_ids,
+        engine_step=cap.step_index,
+    )
+    return out, dropped
+
+
+def pop_capture(captured: deque[Captured], key: Any) -> tuple[Captured | None, int]:
+    """(the capture of the step the scheduler just processed, if any; rows of
+    older captures dropped on the way).
+
+    Steps that scheduled no tokens (async scheduling queues such empty
+    batches while the last requests finish) ran no model and have no
+    capture: None, and the queue is left alone.
+    """
+    if not any(c.key is key for c in captured):
+        return None, 0
+    dropped = 0
+    while captured:
+        cap = captured.popleft()
+        if cap.key is key:
+            return cap, dropped
+        # an older capture whose step was never processed (engine dropped it)
+        dropped += len(cap.req_ids)
+    return None, dropped  # pragma: no cover
+
+
+def engine_outputs(
+    outputs: Iterable[Any], running: Container[str]
+) -> tuple[dict[str, str], dict[str, str], dict[str, list[int]]]:
+    """(finish reasons, text deltas, token ids) by request, from the engine's
+    ``RequestOutput`` s of the processed step(s), for the `running` requests."""
+    finished: dict[str, str] = {}
+    text: dict[str, str] = {}
+    engine_ids: dict[str, list[int]] = {}
+    for o in outputs:
+        ext = o.request_id
+        if ext not in running or not hasattr(o.outputs, "__len__"):
+            continue
+        comp = o.outputs[0]
+        text[ext] = comp.text or ""
+        engine_ids[ext] = list(comp.token_ids)
+        if o.finished:
+            finished[ext] = str(comp.finish_reason or "stop")
+    return finished, text, engine_ids
