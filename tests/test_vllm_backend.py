@@ -28,6 +28,7 @@ from decoder_svc.profile import load_profile  # noqa: E402
 from decoder_svc.testing.fake_engine import fake_vocoder  # noqa: E402
 
 STANDIN_OMNI = os.path.join(os.path.dirname(__file__), "fakes", "standin_omni.yaml")
+from omni_common.errors import OmniError  # noqa: E402
 from omni_common.materialize import (  # noqa: E402
     PER_REQUEST,
     PER_TOKEN,
@@ -226,6 +227,11 @@ def run_tts_pipeline(backend, specs, *, async_path: bool):
     def sink_for(rid):
         def sink(resp):
             with lock:
+                if isinstance(resp, OmniError):  # a failed request's error, in place of a response
+                    finals[rid] = f"error: {resp}"
+                    if len(finals) == len(specs):
+                        done.set()
+                    return
                 if resp.multimodal_output.tensors:
                     audio[rid].append(payload_tensors(resp.multimodal_output)["audio"].numpy().tobytes())
                 if resp.finished:
@@ -322,6 +328,11 @@ def test_pooling_beside_running_speech(models):
     def sink_for(rid):
         def sink(resp):
             with lock:
+                if isinstance(resp, OmniError):  # a failed request's error, in place of a response
+                    finals[rid] = f"error: {resp}"
+                    if len(finals) == len(specs):
+                        done.set()
+                    return
                 if resp.multimodal_output.tensors:
                     samples[rid] += int(payload_tensors(resp.multimodal_output)["audio"].numel())
                 if resp.finished:
@@ -386,6 +397,11 @@ def test_omni_thinker_hands_hidden_states_to_talker(models):
     def sink_for(rid):
         def sink(resp):
             with lock:
+                if isinstance(resp, OmniError):  # a failed request's error, in place of a response
+                    finals[rid] = f"error: {resp}"
+                    if len(finals) == len(specs):
+                        done.set()
+                    return
                 if resp.text_delta:
                     text[rid].append(resp.text_delta)
                 new_ids[rid].extend(resp.new_token_ids)
@@ -411,3 +427,37 @@ def test_omni_thinker_hands_hidden_states_to_talker(models):
         assert "".join(text[rid])
         assert 0 < len(talker_tokens[rid]) <= 64  # max_audio_seconds 5.12: 64 frames
         assert samples[rid] > 0
+
+
+@pytest.mark.vllm
+def test_a_step_from_a_new_thread_runs_on_the_bound_thread_count(models):
+    """ATen's process-wide intra-op count changed after the engine bound its
+    threads (a library or an earlier test calling the real setter) must not
+    reach a thread that steps the engine later: vLLM's CPU attention aborts a
+    step whose plan and kernel see different counts."""
+    from decoder_svc.testing.standin_backend import StandinBackend
+
+    backend = StandinBackend(models / "talker")
+    bound = torch.get_num_threads()
+    torch._C.set_num_threads(1)  # the real setter (vLLM replaced torch.set_num_threads)
+    outcome: dict[str, object] = {}
+
+    def stepper():
+        try:
+            backend.add_request(RequestSpec(request_id="t0", prompt=PROMPTS[0], max_tokens=4))
+            outcome["outs"] = drive(backend)
+            outcome["threads"] = torch.get_num_threads()
+        except BaseException as e:  # noqa: BLE001 - reported below
+            outcome["error"] = e
+
+    try:
+        t = threading.Thread(target=stepper)
+        t.start()
+        t.join(120)
+        assert not t.is_alive(), "the step did not return"
+        assert "error" not in outcome, outcome.get("error")
+        assert outcome["outs"], "no step output"
+        assert outcome["threads"] == bound
+    finally:
+        torch._C.set_num_threads(bound)
+        backend.close()

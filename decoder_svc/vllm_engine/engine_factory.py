@@ -56,11 +56,51 @@ __all__ = [
 
 PINNED_VLLM_VERSION = "0.32.0"
 
-# Serializes forward passes and engine lifecycle (build / close) of every
-# in-process engine: vLLM's forward context is a module global.
-FORWARD_LOCK = threading.RLock()
-
 log = logging.getLogger(__name__)
+
+
+class _ForwardLock:
+    """Serializes forward passes and engine lifecycle (build / close) of every
+    in-process engine (vLLM's forward context is a module global), and runs
+    them on the intra-op thread count the engines were bound with.
+
+    vLLM's CPU worker binds OpenMP threads in the thread that builds an engine
+    and then replaces ``torch.set_num_threads`` with a no-op. A thread that
+    steps the engine later (the stage thread, a pooling call from a gRPC
+    thread) takes ATen's process-wide count on its first parallel op; if
+    anything set that count before the first engine (a library, a test), the
+    step's attention plan and its kernel disagree and vLLM aborts the step
+    ("thread_num == thread_num"). Entering the lock gives the calling thread
+    the bound count, once per thread.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._bound: int | None = None  # intra-op threads after the first engine's binding
+        self._local = threading.local()
+
+    def note_binding(self) -> None:
+        """Record the building thread's count (called after an engine is built)."""
+        import torch
+
+        self._bound = torch.get_num_threads()
+        self._local.threads = self._bound
+
+    def __enter__(self) -> _ForwardLock:
+        self._lock.acquire()
+        bound = self._bound
+        if bound is not None and getattr(self._local, "threads", None) != bound:
+            import torch
+
+            torch._C.set_num_threads(bound)  # torch.set_num_threads is vLLM's no-op by now
+            self._local.threads = bound
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._lock.release()
+
+
+FORWARD_LOCK = _ForwardLock()
 
 
 def runs_in_process(engine: LLMEngine) -> bool:
@@ -398,6 +438,8 @@ def make_engine(
                 os.environ.pop(key, None)
             else:
                 os.environ[key] = value
+    if world_size == 1:
+        FORWARD_LOCK.note_binding()
     if attach_hook and runner == "generate":
         engine.collective_rpc("omni_attach_step_hook")
     return engine
