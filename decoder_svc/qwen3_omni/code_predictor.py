@@ -37,15 +37,18 @@ Invariants:
   :func:`row_tile` (MKL computes a row of a full kernel tile with the same
   arithmetic whatever the row count; rows of a GEMV (1 row) or of a partial
   tile differ in their last bits, enough to flip a near-tie). Padding rows
-  (zeros, greedy) never change the real rows. On CUDA a row's bits are the
+  (zeros, greedy) never change the real rows. Attention is two plain
+  matmuls per KV head (each batch row its own small product). On CUDA a row's bits are the
   same in any batch padded to the same bucket; across buckets cuBLAS may
   pick another kernel, so codes can differ only where a logit near-tie or a
   draw within float rounding of a CDF boundary meets that last-bit change.
 - Sampling semantics follow transformers' warpers (temperature, then top-k,
   then top-p over the top-k distribution, keeping tokens whose preceding mass
-  is below top_p), with exact ties broken by the smaller id; the draw is the
-  inverse CDF of one uniform over the kept tokens sorted by (logit desc,
-  id asc).
+  is below top_p), with exact ties broken by the smaller id (top-k keeps
+  exactly k); the draw is the inverse CDF of one uniform over the kept
+  tokens sorted by (logit desc, id asc) -- inverse CDF rather than
+  Gumbel-max: one hash per row and codebook instead of one per vocabulary
+  id.
 """
 
 from __future__ import annotations
@@ -138,10 +141,12 @@ def sample(
     """One id per row (int64 [n]) from logits [n, V] float32.
 
     temperature [n] (<= 0: greedy), top_k [n] int64 (0: off), top_p [n]
-    (1: off), uniform [n] in [0, 1) (the row's draw). ``candidates`` (static)
-    is how many of the best ids a sampled row may choose from: every sampled
-    row's top_k must be in 1..candidates, or candidates must be V. Rows are
-    independent: each row's id is a function of that row's inputs alone.
+    (>= 1: off), uniform [n] in [0, 1) (the row's draw). ``candidates``
+    (static) is how many of the best ids a sampled row may choose from: every
+    sampled row's top_k must be in 1..candidates, or candidates must be V.
+    Rows are independent, and a row's id does not depend on ``candidates``
+    either: after the canonical sort every quantity is a prefix sum
+    (sequential on CPU), and the ids past a row's top-k weigh exactly 0.
     No host sync, no data-dependent shape."""
     greedy = logits.argmax(-1)
     if candidates <= 0:
@@ -155,15 +160,15 @@ def sample(
     pos = torch.arange(c, dtype=torch.int64, device=logits.device)
     k = torch.where((top_k > 0) & (top_k < c), top_k, torch.full_like(top_k, c))
     vals = vals.masked_fill(pos[None, :] >= k[:, None], float("-inf"))
-    probs = vals.softmax(-1)
-    cum = probs.cumsum(-1)
+    weight = torch.exp(vals - vals[:, :1])  # unnormalised probabilities, the largest first
+    cum = weight.cumsum(-1)
+    before = F.pad(cum[:, :-1], (1, 0))  # the mass before each id
     # top-p: keep an id while the mass before it is below top_p (always the first)
-    keep = ((cum - probs) < top_p[:, None]) | (pos[None, :] == 0) | (top_p[:, None] >= 1.0)
-    probs = probs * keep
-    cum = probs.cumsum(-1)
-    threshold = uniform * cum[:, -1]
-    j = (cum <= threshold[:, None]).sum(-1)
-    last = (probs > 0).sum(-1) - 1  # the kept ids are a prefix
+    keep = (before < top_p[:, None] * cum[:, -1:]) | (pos[None, :] == 0) | (top_p[:, None] >= 1.0)
+    weight = weight * keep
+    cum = weight.cumsum(-1)
+    j = (cum <= (uniform * cum[:, -1])[:, None]).sum(-1)
+    last = (weight > 0).sum(-1) - 1  # the kept ids are a prefix
     j = torch.minimum(j, last.clamp_min(0))
     drawn = ids.gather(-1, j[:, None])[:, 0]
     return torch.where(sampled_rows, drawn, greedy)
@@ -297,7 +302,8 @@ class _Layer(nn.Module):
                 cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None, eps: float) -> torch.Tensor:
         """x [b, t, H] at positions pos..pos+t-1; k_cache/v_cache [b, kv, G, D]
         (written at those positions); cos/sin [t, 1, D] (sin signed for the
-        half swap); mask [rep*t, pos+t] bool or None (t == 1: no mask)."""
+        half swap); mask [rep*t, pos+t] bool, True where a key is hidden, or
+        None (t == 1: every cached key is visible)."""
         b, t, hidden = x.shape
         h, kv, d = self.heads, self.kv_heads, self.head_dim
         rep = h // kv
@@ -310,10 +316,14 @@ class _Layer(nn.Module):
         end = pos + t
         k_cache[:, :, pos:end].copy_(qk[:, :, h:].transpose(1, 2))
         v_cache[:, :, pos:end].copy_(qkv[..., (h + kv) * d :].view(b, t, kv, d).transpose(1, 2))
-        # the rep query heads of KV head j are its query rows: [b, kv, rep * t, D], no K/V copy
+        # the rep query heads of KV head j are its query rows: [b, kv, rep * t, D], no K/V copy.
+        # Plain matmuls, not scaled_dot_product_attention: torch's CPU flash kernel gives the
+        # batch's last row other bits at some key lengths (9, 11, 13, 15), which breaks batch invariance.
         q = qk[:, :, :h].reshape(b, t, kv, rep, d).permute(0, 2, 3, 1, 4).reshape(b, kv, rep * t, d)
-        out = F.scaled_dot_product_attention(q, k_cache[:, :, :end], v_cache[:, :, :end], attn_mask=mask,
-                                             scale=d**-0.5)
+        scores = torch.matmul(q, k_cache[:, :, :end].transpose(-1, -2)) * d**-0.5
+        if mask is not None:
+            scores = scores.masked_fill(mask, float("-inf"))
+        out = torch.matmul(scores.softmax(-1), v_cache[:, :, :end])
         out = out.view(b, kv, rep, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, h * d)
         x = x + F.linear(out, self.o)
         gu = F.linear(F.rms_norm(x, (hidden,), self.post_norm, eps), self.gate_up)
@@ -365,8 +375,8 @@ class CodePredictor(nn.Module):
         self.register_buffer("_cos", torch.cat((freqs, freqs), dim=-1).cos(), persistent=False)
         self.register_buffer("_sin", torch.cat((-freqs.sin(), freqs.sin()), dim=-1), persistent=False)
         rep = heads // kv
-        # the first pass's two positions: query row (r, i) sees keys 0..i
-        mask = torch.arange(2)[None, :] <= torch.arange(2).repeat(rep)[:, None]
+        # the first pass's two positions: query row (r, i) sees keys 0..i (True: hidden)
+        mask = torch.arange(2)[None, :] > torch.arange(2).repeat(rep)[:, None]
         self.register_buffer("_mask", mask, persistent=False)
         self.register_buffer("_groups", group_keys(g1), persistent=False)
         self._kv: torch.Tensor | None = None
