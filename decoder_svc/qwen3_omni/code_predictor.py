@@ -117,16 +117,12 @@ def uniforms(seed: torch.Tensor, frame: torch.Tensor, groups: torch.Tensor) -> t
 # -- the sampler ------------------------------------------------------------------
 
 
-def _order_keys(logits: torch.Tensor) -> torch.Tensor:
-    """int64 keys, unique within a row, ordered like (logit desc, id asc).
-
-    The float's bits made monotone (negative values flipped), shifted above
-    a field holding (2**31 - 1 - id): sorting keys descending sorts logits
-    descending and breaks exact ties by the smaller id, so any top-C of them
-    is the same prefix of one canonical order."""
-    bits = logits.contiguous().view(torch.int32).to(torch.int64)
+def _tie_keys(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """int64 keys ordered like (value desc, id asc), unique within a row: the
+    float's bits made monotone (negative values flipped) above a field holding
+    2**31 - 1 - id. Sorting them descending breaks exact ties by the smaller id."""
+    bits = values.contiguous().view(torch.int32).to(torch.int64)
     mono = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # order-preserving for IEEE floats
-    ids = torch.arange(logits.shape[-1], dtype=torch.int64, device=logits.device)
     return (mono << 31) | (0x7FFFFFFF - ids)
 
 
@@ -144,19 +140,23 @@ def sample(
     (>= 1: off), uniform [n] in [0, 1) (the row's draw). ``candidates``
     (static) is how many of the best ids a sampled row may choose from: every
     sampled row's top_k must be in 1..candidates, or candidates must be V.
+    Greedy is the largest logit, exact ties to the smaller id (argmax's).
+
     Rows are independent, and a row's id does not depend on ``candidates``
-    either: after the canonical sort every quantity is a prefix sum
-    (sequential on CPU), and the ids past a row's top-k weigh exactly 0.
-    No host sync, no data-dependent shape."""
-    greedy = logits.argmax(-1)
+    either: the candidates are put in one canonical order (logit desc, id
+    asc), every later quantity is a prefix sum (sequential on CPU), and the
+    ids past a row's top-k weigh exactly 0. (A tie group straddling the
+    candidate boundary could differ, which needs more than candidates - top_k
+    equal logits.) No host sync, no data-dependent shape."""
     if candidates <= 0:
-        return greedy
+        return logits.argmax(-1)
     c = min(int(candidates), logits.shape[-1])
-    top = _order_keys(logits).topk(c, dim=-1).values  # sorted: the canonical order's first c
-    ids = 0x7FFFFFFF - (top & 0x7FFFFFFF)
+    vals, ids = logits.topk(c, dim=-1)
+    order = _tie_keys(vals, ids).argsort(dim=-1, descending=True)
+    ids, vals = ids.gather(-1, order), vals.gather(-1, order)
     sampled_rows = temperature > 0
     temp = torch.where(sampled_rows, temperature, torch.ones_like(temperature))
-    vals = logits.gather(-1, ids) / temp[:, None]
+    vals = vals / temp[:, None]
     pos = torch.arange(c, dtype=torch.int64, device=logits.device)
     k = torch.where((top_k > 0) & (top_k < c), top_k, torch.full_like(top_k, c))
     vals = vals.masked_fill(pos[None, :] >= k[:, None], float("-inf"))
@@ -169,9 +169,8 @@ def sample(
     cum = weight.cumsum(-1)
     j = (cum <= (uniform * cum[:, -1])[:, None]).sum(-1)
     last = (weight > 0).sum(-1) - 1  # the kept ids are a prefix
-    j = torch.minimum(j, last.clamp_min(0))
-    drawn = ids.gather(-1, j[:, None])[:, 0]
-    return torch.where(sampled_rows, drawn, greedy)
+    j = torch.where(sampled_rows, torch.minimum(j, last.clamp_min(0)), torch.zeros_like(j))
+    return ids.gather(-1, j[:, None])[:, 0]
 
 
 @dataclass
@@ -489,6 +488,10 @@ class CodePredictor(nn.Module):
         assert embed_sum is not None
         return torch.stack(codes, dim=1), embed_sum
 
+    def _graphed(self, device: torch.device) -> bool:
+        """Whether frames on ``device`` replay captured CUDA graphs."""
+        return device.type == "cuda" and self.cuda_graphs
+
     def _run_bucket(self, x: torch.Tensor, s: SamplingBatch, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Rows lo..hi-1, padded to their bucket with zero greedy rows."""
         n = hi - lo
@@ -497,7 +500,7 @@ class CodePredictor(nn.Module):
         if pad:
             args = [F.pad(a, (0, 0) * (a.dim() - 1) + (0, pad)) for a in args]
         dev = x.device
-        if dev.type == "cuda" and self.cuda_graphs:
+        if self._graphed(dev):
             if self._graphs is None:
                 self._kv_cache(self.max_bucket)  # allocated once, before any capture
                 self._graphs = _GraphRunner(self._frame)
@@ -568,7 +571,7 @@ class _GraphRunner:
     def __init__(self, frame: Callable[..., tuple[torch.Tensor, torch.Tensor]],
                  make_graph: Callable[[Any], Any] | None = None) -> None:
         self.frame = frame
-        self.make_graph = make_graph or _CudaGraph
+        self.make_graph = make_graph  # None: CUDA graphs sharing one memory pool
         self.pool: Any = None
         self.entries: dict[tuple[int, int], tuple[Any, list[torch.Tensor], tuple[torch.Tensor, ...]]] = {}
 
@@ -576,10 +579,13 @@ class _GraphRunner:
             candidates: int) -> tuple[torch.Tensor, torch.Tensor]:
         entry = self.entries.get(key)
         if entry is None:
-            if self.pool is None and self.make_graph is _CudaGraph:
-                self.pool = torch.cuda.graph_pool_handle()
+            if self.make_graph is None:
+                if self.pool is None:
+                    self.pool = torch.cuda.graph_pool_handle()
+                graph = _CudaGraph(self.pool)
+            else:
+                graph = self.make_graph(self.pool)
             static = [a.clone() for a in args]
-            graph = self.make_graph(self.pool)
             outputs = graph.capture(lambda: self.frame(*static, candidates))
             entry = self.entries[key] = (graph, static, outputs)
         graph, static, outputs = entry
