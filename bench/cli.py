@@ -1,6 +1,8 @@
 """`omni-serving bench <suite> [--quick] [--out DIR]`.
 
-Suites: step-gap, handoff, e2e, all. Each writes results.json, results.md
+Suites: step-gap, handoff, e2e, all. `code-predictor` (not part of all) has
+its own options (`omni-serving bench code-predictor --help`) and writes one
+JSON file. The others write results.json, results.md
 and PNG plots into its results folder (default
 bench/results/<suite>-<timestamp>/; `all` puts one subfolder per suite
 there plus summary.md with every table and the targets). Progress bars go
@@ -21,8 +23,9 @@ SUITES = ("step-gap", "handoff", "e2e")
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="omni-serving bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("suite", choices=(*SUITES, "all", "breakdown"),
-                   help="which benchmark to run (breakdown: a diagnostic of the critical path, not part of all)")
+    p.add_argument("suite", choices=(*SUITES, "all", "breakdown", "code-predictor"),
+                   help="which benchmark to run (breakdown: a diagnostic of the critical path, not part of all; "
+                        "code-predictor: its own options, see `code-predictor --help`)")
     p.add_argument("--quick", action="store_true",
                    help="tiny sizes for CI (batch 1 and 4, payloads up to 1 MiB, concurrency 1 and 4, fake engine)")
     p.add_argument("--out", default="", help="results folder (default bench/results/<suite>-<timestamp>/)")
@@ -69,6 +72,11 @@ def run_suite(name: str, args: argparse.Namespace, out_dir: Path):
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["code-predictor"]:
+        from bench import code_predictor
+
+        return code_predictor.main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.replicas < 1:

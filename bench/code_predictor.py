@@ -1,0 +1,415 @@
+"""`omni-serving bench code-predictor`: the talker's code predictor per frame,
+three implementations side by side on the same weights, inputs, threads and
+dtype (float32):
+
+  ours          decoder_svc/qwen3_omni/code_predictor.py (the serving one)
+  previous      bench/baselines/code_predictor_v0.py (the implementation it
+                replaced, kept verbatim)
+  transformers  transformers' Qwen3OmniMoeTalkerCodePredictorModelForConditionalGeneration
+                driven exactly as its talker drives it in
+                ``Qwen3OmniMoeTalkerForConditionalGeneration.prepare_inputs_for_generation``:
+                ``generate(inputs_embeds=[past_hidden, code0 embedding],
+                max_new_tokens=G-1, output_hidden_states=True,
+                return_dict_in_generate=True, do_sample, top_k=50, top_p=0.8)``
+                and the sum of the residual codes' embeddings from its
+                hidden states -- what a user would otherwise run.
+
+Widths: ``tiny`` (the tiny checkpoint's code predictor) and ``released``
+(Qwen3-Omni-30B-A3B's: hidden 1024, 5 layers, 16 heads / 8 KV heads x 128,
+intermediate 3072, vocabulary 2048, 16 code groups; random weights). Batches
+1, 16, 64; modes greedy and sampled (temperature 1, top-k 50, top-p 0.8,
+the checkpoint defaults). One frame = codebooks 1..15 for every row.
+
+Runs are interleaved: each repetition times every implementation once (a
+run: ``frames`` frames after one warm-up frame; its value is the median
+frame), starting the order at a different implementation each repetition;
+each ratio is the median over repetitions with its min and max. Timing is
+only meaningful on a quiet machine.
+
+Raw results go to one JSON file (``--out``): the command line, the git
+commit, the host (processor, cores, torch's CPU capability, threads), the
+configuration, every run's per-frame times, the summary and the targets.
+A Markdown table is printed. Greedy codes of the three are compared on one
+frame per configuration (reported, not asserted: a near-tie may differ in
+the last bits of float32 rounding).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+IMPLS = ("ours", "previous", "transformers")
+MODES = ("greedy", "sampled")
+TOP_K, TOP_P, TEMPERATURE = 50, 0.8, 1.0
+# Qwen/Qwen3-Omni-30B-A3B(-Instruct) talker_config.code_predictor_config: transformers'
+# Qwen3OmniMoeTalkerCodePredictorConfig defaults (documented against that checkpoint), with
+# num_code_groups 16 as in the released checkpoint (the class default is 32) and its rope_theta.
+RELEASED = {
+    "vocab_size": 2048, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 5,
+    "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "num_code_groups": 16,
+    "rms_norm_eps": 1e-6, "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0},
+}
+TARGETS = {"tiny": 8.0, "released": 3.0}  # ours / transformers per frame at batch 64, at least
+
+
+KEYS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+        "num_key_value_heads", "head_dim", "num_code_groups", "rms_norm_eps", "rope_parameters")
+
+
+def tiny_config() -> dict[str, Any]:
+    """The tiny checkpoint's code predictor widths (from the config it writes)."""
+    import omni_common  # noqa: F401 -- torchvision shim before transformers
+    from decoder_svc.qwen3_omni import tiny
+
+    full = tiny._config().talker_config.code_predictor_config.to_dict()
+    return {k: full[k] for k in KEYS}
+
+
+def widths() -> dict[str, dict[str, Any]]:
+    return {"tiny": tiny_config(), "released": dict(RELEASED)}
+
+
+WIDTHS = ("tiny", "released")
+
+
+def frame_gflop(cfg: dict[str, Any], batch: int) -> float:
+    """Matrix-product GFLOP of one frame (G positions through the layers,
+    G-1 heads), the floor every implementation pays."""
+    hid, d = cfg["hidden_size"], cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    h, kv, inter = cfg["num_attention_heads"], cfg.get("num_key_value_heads") or cfg["num_attention_heads"], \
+        cfg["intermediate_size"]
+    per_pos = cfg["num_hidden_layers"] * (hid * (h + 2 * kv) * d + h * d * hid + 3 * hid * inter)
+    g = cfg["num_code_groups"]
+    return 2.0 * batch * (g * per_pos + (g - 1) * hid * cfg["vocab_size"]) / 1e9
+
+
+# -- the three implementations ------------------------------------------------------------
+
+
+def _hf_model(cfg: dict[str, Any], seed: int):
+    import omni_common  # noqa: F401, I001 -- torchvision shim before transformers
+    from transformers.models.qwen3_omni_moe.configuration_qwen3_omni_moe import (
+        Qwen3OmniMoeTalkerCodePredictorConfig,
+    )
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+        Qwen3OmniMoeTalkerCodePredictorModelForConditionalGeneration as HFCodePredictor,
+    )
+
+    torch.manual_seed(seed)
+    model = HFCodePredictor._from_config(Qwen3OmniMoeTalkerCodePredictorConfig(**cfg)).float().eval()
+    with torch.no_grad():  # weights that give peaked distributions (the default init is near-uniform)
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape))
+            else:
+                p.normal_(0.0, 0.5 if "embedding" in name else 1.5 * p.shape[-1] ** -0.5)
+    model.generation_config.temperature = TEMPERATURE
+    return model
+
+
+def transformers_frame(model, past_hidden: torch.Tensor, last_id_hidden: torch.Tensor, do_sample: bool):
+    """The talker's call (prepare_inputs_for_generation): [n, 1, H] each ->
+    (codes [n, G-1], the summed codec embeddings of the frame [n, 1, H])."""
+    kwargs: dict[str, Any] = {"do_sample": do_sample}
+    if do_sample:
+        kwargs.update(top_k=TOP_K, top_p=TOP_P)
+    result = model.generate(
+        inputs_embeds=torch.cat((past_hidden, last_id_hidden), dim=1),
+        max_new_tokens=model.config.num_code_groups - 1,
+        output_hidden_states=True,
+        return_dict_in_generate=True,
+        **kwargs,
+    )
+    mid = [hid[0] for hid in result.hidden_states[1:]]
+    last = model.get_input_embeddings()[-1](result.sequences[..., -1:])
+    return result.sequences, torch.cat([last_id_hidden] + mid + [last], dim=1).sum(1, keepdim=True)
+
+
+class Bench:
+    """One width: the three implementations on the same weights."""
+
+    def __init__(self, cfg: dict[str, Any], seed: int = 0, compile: bool = False) -> None:
+        from bench.baselines.code_predictor_v0 import CodePredictor as Previous
+        from decoder_svc.qwen3_omni.code_predictor import CodePredictor
+
+        self.cfg = cfg
+        self.hf = _hf_model(cfg, seed)
+        weights = {k: v.detach() for k, v in self.hf.state_dict().items()}
+        self.ours = CodePredictor(cfg, compile=compile)
+        self.ours.load(weights, prefix="")
+        self.previous = Previous(cfg)
+        self.previous.load(weights, prefix="")
+        self.compiled = None
+        if compile:
+            self.compiled = CodePredictor(cfg, compile=True)
+            self.compiled.load(weights, prefix="")
+        self.frame_index = 0
+
+    def inputs(self, batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+        gen = torch.Generator().manual_seed(seed)
+        hid = self.cfg["hidden_size"]
+        return torch.randn(batch, hid, generator=gen), torch.randn(batch, hid, generator=gen) * 0.5
+
+    def runner(self, impl: str, mode: str, hidden: torch.Tensor, emb0: torch.Tensor) -> Callable[[], torch.Tensor]:
+        """A callable running one frame; returns its codes [n, G-1]."""
+        from decoder_svc.qwen3_omni.code_predictor import SamplingBatch
+
+        n = hidden.shape[0]
+        sampled = mode == "sampled"
+        temp = [TEMPERATURE if sampled else 0.0] * n
+        if impl in ("ours", "ours-compiled"):
+            model = self.ours if impl == "ours" else self.compiled
+            assert model is not None, "ours-compiled: build the bench with compile=True"
+
+            def ours() -> torch.Tensor:
+                self.frame_index += 1
+                s = SamplingBatch.build(temperature=temp, top_k=[TOP_K] * n, top_p=[TOP_P] * n,
+                                        seed=list(range(n)), frame=[self.frame_index] * n,
+                                        vocab_size=self.cfg["vocab_size"])
+                return model.predict(hidden, emb0, s)[0]
+            return ours
+        if impl == "previous":
+            gens = [torch.Generator().manual_seed(i) for i in range(n)] if sampled else [None] * n
+
+            def previous() -> torch.Tensor:
+                return self.previous.predict(hidden, emb0, temperature=temp, top_k=[TOP_K] * n, top_p=[TOP_P] * n,
+                                             generators=gens)[0]
+            return previous
+        if impl == "transformers":
+            past, last = hidden[:, None, :], emb0[:, None, :]
+
+            def hf() -> torch.Tensor:
+                return transformers_frame(self.hf, past, last, sampled)[0]
+            return hf
+        raise ValueError(f"impl: unknown {impl!r}")
+
+
+def time_run(fn: Callable[[], Any], frames: int) -> list[float]:
+    """One warm-up frame, then ``frames`` timed frames (seconds each)."""
+    with torch.inference_mode():
+        fn()
+        out = []
+        for _ in range(frames):
+            t0 = time.perf_counter()
+            fn()
+            out.append(time.perf_counter() - t0)
+    return out
+
+
+def spread(values: list[float]) -> dict[str, float]:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "n": len(values)}
+
+
+# -- the suite -------------------------------------------------------------------------------
+
+
+def git_commit() -> str:
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                              check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, check=True).stdout.strip()
+        return head + ("-dirty" if dirty else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def host_info(threads: int) -> dict[str, Any]:
+    from importlib import metadata
+
+    from bench.common import cpu_model
+
+    def version(dist: str) -> str:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    return {
+        "cpu_model": cpu_model(),
+        "cores": os.cpu_count(),
+        "cores_available": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        "torch_cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "torch_threads": threads,
+        "torch": version("torch"),
+        "transformers": version("transformers"),
+        "python": sys.version.split()[0],
+    }
+
+
+def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
+    from bench.common import log
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    threads = torch.get_num_threads()
+    chosen = [w.strip() for w in args.widths.split(",") if w.strip()]
+    all_widths = widths()
+    batches = [int(b) for b in args.batches.split(",") if b.strip()]
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    impls = list(IMPLS) + (["ours-compiled"] if args.compile else [])
+    result: dict[str, Any] = {
+        "suite": "code-predictor",
+        "command": " ".join(argv),
+        "date": _dt.datetime.now().astimezone().isoformat(timespec="seconds"),
+        "git_commit": git_commit(),
+        "host": host_info(threads),
+        "config": {"widths": {w: all_widths[w] for w in chosen}, "batches": batches, "modes": modes,
+                   "impls": impls, "reps": args.reps, "dtype": "float32", "warmup_frames": 1,
+                   "frames": {w: args.frames or (5 if w == "tiny" else 2) for w in chosen},
+                   "sampling": {"temperature": TEMPERATURE, "top_k": TOP_K, "top_p": TOP_P}},
+        "released_widths_source": "transformers Qwen3OmniMoeTalkerCodePredictorConfig defaults (documented for "
+                                  "Qwen/Qwen3-Omni-30B-A3B-Instruct) with the checkpoint's 16 code groups",
+        "runs": [],
+        "summary": [],
+        "greedy_codes_equal": [],
+    }
+    for width in chosen:
+        cfg = all_widths[width]
+        frames = result["config"]["frames"][width]
+        log(f"code-predictor: {width} widths, building the three implementations")
+        bench = Bench(cfg, compile=args.compile)
+        for batch in batches:
+            hidden, emb0 = bench.inputs(batch, seed=batch)
+            # greedy codes of the three on one frame (reported, not asserted)
+            with torch.inference_mode():
+                ref = bench.runner("ours", "greedy", hidden, emb0)()
+                result["greedy_codes_equal"].append({
+                    "width": width, "batch": batch,
+                    **{impl: bool(torch.equal(bench.runner(impl, "greedy", hidden, emb0)(), ref))
+                       for impl in ("previous", "transformers")},
+                })
+            for mode in modes:
+                times: dict[str, list[float]] = {impl: [] for impl in impls}
+                for rep in range(args.reps):
+                    order = impls[rep % len(impls):] + impls[: rep % len(impls)]
+                    for pos, impl in enumerate(order):
+                        per_frame = time_run(bench.runner(impl, mode, hidden, emb0), frames)
+                        med = statistics.median(per_frame)
+                        times[impl].append(med)
+                        result["runs"].append({"width": width, "batch": batch, "mode": mode, "rep": rep,
+                                               "order": pos, "impl": impl, "frame_s": per_frame, "median_s": med})
+                    log(f"  {width} batch {batch} {mode} rep {rep}: "
+                        + ", ".join(f"{i} {times[i][-1] * 1e3:.1f} ms" for i in impls))
+                gflop = frame_gflop(cfg, batch)
+                row: dict[str, Any] = {"width": width, "batch": batch, "mode": mode, "gflop_per_frame": gflop}
+                for impl in impls:
+                    row[f"{impl}_ms"] = statistics.median(times[impl]) * 1e3
+                    row[f"{impl}_gflops"] = gflop / statistics.median(times[impl])
+                for impl in impls:
+                    if impl != "ours":
+                        row[f"speedup_vs_{impl}"] = spread([a / b for a, b in zip(times[impl], times["ours"],
+                                                                                  strict=True)])
+                result["summary"].append(row)
+    result["targets"] = targets(result["summary"])
+    return result
+
+
+def targets(summary: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    out = []
+    for width, goal in TARGETS.items():
+        for mode in MODES:
+            rows = [r for r in summary if r["width"] == width and r["mode"] == mode]
+            b64 = next((r for r in rows if r["batch"] == 64), None)
+            if b64 is not None:
+                m = b64["speedup_vs_transformers"]["median"]
+                out.append({"name": f"ours / transformers per frame, {width}, batch 64, {mode}", "measured": m,
+                            "goal": f">= {goal}x", "met": m >= goal})
+            b1 = next((r for r in rows if r["batch"] == 1), None)
+            if b1 is not None:
+                m = b1["speedup_vs_transformers"]["median"]
+                out.append({"name": f"ours / transformers per frame, {width}, batch 1, {mode}", "measured": m,
+                            "goal": ">= 1x (not slower)", "met": m >= 1.0})
+    return out
+
+
+def markdown(result: dict[str, Any]) -> str:
+    from bench.common import md_table
+
+    impls = result["config"]["impls"]
+    rows = []
+    for r in result["summary"]:
+        cells = [r["width"], r["batch"], r["mode"]] + [r[f"{i}_ms"] for i in impls]
+        for i in impls:
+            if i != "ours":
+                s = r[f"speedup_vs_{i}"]
+                cells.append(f"{s['median']:.2f}x ({s['min']:.2f}-{s['max']:.2f})")
+        cells.append(r["ours_gflops"])
+        rows.append(cells)
+    headers = (["width", "batch", "mode"] + [f"{i} ms/frame" for i in impls]
+               + [f"ours vs {i}" for i in impls if i != "ours"] + ["ours GFLOP/s"])
+    h = result["host"]
+    lines = [f"code predictor per frame ({h['cpu_model']}, {h['cores_available']} cores, {h['torch_threads']} threads, "
+             f"{h['torch_cpu_capability']}; median of {result['config']['reps']} interleaved runs, spread min-max)",
+             "", md_table(headers, rows), "", "| target | measured | goal | met |", "|---|---|---|---|"]
+    for t in result["targets"]:
+        lines.append(f"| {t['name']} | {t['measured']:.2f}x | {t['goal']} | {'yes' if t['met'] else 'no'} |")
+    eq = result["greedy_codes_equal"]
+    lines += ["", "greedy codes equal to ours: " + ", ".join(
+        f"{e['width']}/{e['batch']}: previous {'yes' if e['previous'] else 'NO'}, transformers "
+        f"{'yes' if e['transformers'] else 'NO'}" for e in eq)]
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="omni-serving bench code-predictor", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default="", metavar="FILE.json",
+                   help="the JSON results file (default bench/results/code-predictor-<timestamp>.json)")
+    p.add_argument("--quick", action="store_true",
+                   help="a check that the suite works, in seconds: tiny widths, batches 1 and 4, 2 frames a run")
+    p.add_argument("--widths", default="tiny,released", help="comma-separated: tiny, released")
+    p.add_argument("--batches", default="1,16,64", help="comma-separated batch sizes")
+    p.add_argument("--modes", default="greedy,sampled", help="comma-separated: greedy, sampled")
+    p.add_argument("--reps", type=int, default=3, help="interleaved repetitions (each ratio: their median)")
+    p.add_argument("--frames", type=int, default=0,
+                   help="timed frames per run (default 5 at tiny widths, 2 at released widths)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads for all (default: torch's default)")
+    p.add_argument("--compile", action="store_true",
+                   help="also time ours with torch.compile (compile time is not in the timed frames)")
+    return p
+
+
+def main(argv: list[str]) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.widths, args.batches, args.frames = "tiny", "1,4", args.frames or 2
+    for w in args.widths.split(","):
+        if w.strip() and w.strip() not in WIDTHS:
+            parser.error(f"--widths: unknown {w.strip()!r} (choices: {', '.join(WIDTHS)})")
+    for m in args.modes.split(","):
+        if m.strip() and m.strip() not in MODES:
+            parser.error(f"--modes: unknown {m.strip()!r} (choices: {', '.join(MODES)})")
+    try:
+        if not all(int(b) > 0 for b in args.batches.split(",") if b.strip()):
+            raise ValueError
+    except ValueError:
+        parser.error(f"--batches: expected positive integers separated by commas, got {args.batches!r}")
+    if args.reps < 1 or args.frames < 0:
+        parser.error("--reps: must be >= 1; --frames: must be >= 0")
+    from bench.common import RESULTS_ROOT, log, timestamp
+
+    out = Path(args.out) if args.out else RESULTS_ROOT / f"code-predictor-{timestamp()}.json"
+    t0 = time.perf_counter()
+    result = run(args, ["omni-serving", "bench", "code-predictor", *argv])
+    result["wall_s"] = time.perf_counter() - t0
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(markdown(result))
+    log(f"code-predictor: done in {result['wall_s']:.0f}s; results in {out}")
+    print(f"\nresults: {out}")
+    return 0
