@@ -473,3 +473,46 @@ def test_graph_runner_replays_the_frame_on_static_buffers():
         assert FakeGraph.captures == 2, "another candidate count is another graph"
     for codes, want in results:  # returned outputs are copies: later replays never rewrite them
         assert torch.equal(codes[: want.shape[0]], want)
+
+
+# -- the torch-only GPU script ---------------------------------------------------------------
+
+
+def _gpu_script():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check_torch.py"
+    spec = importlib.util.spec_from_file_location("gpu_check_torch", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_gpu_scripts_predictor_checks_pass_on_cpu_with_a_fake_graph(monkeypatch):
+    """scripts/gpu_check_torch.py's checks, run here with the fake graph in
+    place of CUDA graphs (the device checks themselves need a GPU)."""
+    from decoder_svc.qwen3_omni import code_predictor
+
+    real = code_predictor._GraphRunner
+    monkeypatch.setattr(code_predictor, "_GraphRunner", lambda frame: real(frame, make_graph=FakeGraph))
+    monkeypatch.setattr(CodePredictor, "_graphed", lambda self, device: self.cuda_graphs)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    script = _gpu_script()
+    FakeGraph.captures = 0
+    note = script.check_graph_replay(script.TINY, torch.device("cpu"), batches=(1, 12))
+    assert FakeGraph.captures == 6 and "graphs captured" in note, note  # 2 buckets x 3 candidate counts
+    script.check_seeded_sampler(script.TINY, torch.device("cpu"), batches=(7, 16))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_the_gpu_scripts_predictor_checks_pass_on_the_device():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    proc = subprocess.run([sys.executable, str(root / "scripts" / "gpu_check_torch.py"), "--widths", "tiny"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
