@@ -251,10 +251,19 @@ def host_info(threads: int) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
-    from bench.common import log
-
+    """The suite (``args`` from :func:`build_parser`); torch's thread count is restored after."""
+    threads = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)
+    try:
+        return _run(args, argv)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
+    from bench.common import log
+
     threads = torch.get_num_threads()
     chosen = [w.strip() for w in args.widths.split(",") if w.strip()]
     all_widths = widths()
@@ -371,8 +380,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the JSON results file (default bench/results/code-predictor-<timestamp>.json)")
     p.add_argument("--quick", action="store_true",
                    help="a check that the suite works, in seconds: tiny widths, batches 1 and 4, 2 frames a run")
-    p.add_argument("--widths", default="tiny,released", help="comma-separated: tiny, released")
-    p.add_argument("--batches", default="1,16,64", help="comma-separated batch sizes")
+    p.add_argument("--widths", default=None, help="comma-separated: tiny, released (default both; --quick: tiny)")
+    p.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,16,64; --quick: 1,4)")
     p.add_argument("--modes", default="greedy,sampled", help="comma-separated: greedy, sampled")
     p.add_argument("--reps", type=int, default=3, help="interleaved repetitions (each ratio: their median)")
     p.add_argument("--frames", type=int, default=0,
@@ -387,7 +396,8 @@ def main(argv: list[str]) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.quick:
-        args.widths, args.batches, args.frames = "tiny", "1,4", args.frames or 2
+        args.widths, args.batches, args.frames = args.widths or "tiny", args.batches or "1,4", args.frames or 2
+    args.widths, args.batches = args.widths or "tiny,released", args.batches or "1,16,64"
     for w in args.widths.split(","):
         if w.strip() and w.strip() not in WIDTHS:
             parser.error(f"--widths: unknown {w.strip()!r} (choices: {', '.join(WIDTHS)})")
