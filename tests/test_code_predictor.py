@@ -273,13 +273,13 @@ def logits_seen(monkeypatch) -> list[torch.Tensor]:
     from decoder_svc.qwen3_omni import code_predictor
 
     seen: list[torch.Tensor] = []
-    real = code_predictor.sample
+    real = code_predictor.draw
 
     def recording(logits, *args, **kwargs):
         seen.append(logits.clone())
         return real(logits, *args, **kwargs)
 
-    monkeypatch.setattr(code_predictor, "sample", recording)
+    monkeypatch.setattr(code_predictor, "draw", recording)
     return seen
 
 
@@ -351,7 +351,7 @@ def test_row_tile_makes_matrix_products_row_invariant_here():
     """What the buckets rely on, on this host: rows of a multiple-of-tile
     product equal the same rows in any other multiple-of-tile product."""
     tile = row_tile([(128, 256), (128, 2048)], 128)
-    assert tile in (8, 16, 32, 64)
+    assert tile in (4, 8, 16, 32, 64)
     gen = torch.Generator().manual_seed(9)
     w, x = torch.randn(2048, 128, generator=gen), torch.randn(128, 128, generator=gen)
     ref = torch.nn.functional.linear(x, w)
@@ -455,7 +455,7 @@ def test_graph_runner_replays_the_frame_on_static_buffers():
     FakeGraph.captures = 0
     results = []
     with torch.inference_mode():
-        for n in (5, 7, 8, 3):
+        for n in (5, 7, 8, 6):  # one bucket (8) whatever the row tile up to 8
             h, e, temps, top_k, top_p, seeds, frames = _others(n, rng)
             s = batch(temps, top_k, top_p, seeds, frames)
             want = cp.predict(h, e, s)
@@ -501,7 +501,8 @@ def test_the_gpu_scripts_predictor_checks_pass_on_cpu_with_a_fake_graph(monkeypa
     script = _gpu_script()
     FakeGraph.captures = 0
     note = script.check_graph_replay(script.TINY, torch.device("cpu"), batches=(1, 12))
-    assert FakeGraph.captures == 6 and "graphs captured" in note, note  # 2 buckets x 3 candidate counts
+    buckets = {CodePredictor(script.TINY).bucket(n) for n in (1, 12)}
+    assert FakeGraph.captures == 3 * len(buckets) and "graphs captured" in note, note  # 3 candidate counts each
     script.check_seeded_sampler(script.TINY, torch.device("cpu"), batches=(7, 16))
 
 

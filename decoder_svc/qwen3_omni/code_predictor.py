@@ -62,7 +62,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["CodePredictor", "SamplingBatch", "row_tile", "sample", "uniforms"]
+__all__ = ["CodePredictor", "SamplingBatch", "draw", "plan", "row_tile", "sample", "uniforms"]
 
 log = logging.getLogger(__name__)
 
@@ -117,13 +117,57 @@ def uniforms(seed: torch.Tensor, frame: torch.Tensor, groups: torch.Tensor) -> t
 # -- the sampler ------------------------------------------------------------------
 
 
-def _tie_keys(values: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """int64 keys ordered like (value desc, id asc), unique within a row: the
-    float's bits made monotone (negative values flipped) above a field holding
-    2**31 - 1 - id. Sorting them descending breaks exact ties by the smaller id."""
-    bits = values.contiguous().view(torch.int32).to(torch.int64)
-    mono = torch.where(bits < 0, bits ^ 0x7FFFFFFF, bits)  # order-preserving for IEEE floats
-    return (mono << 31) | (0x7FFFFFFF - ids)
+@dataclass
+class _Plan:
+    """A frame's sampler constants: the rows' settings turned into tensors
+    over candidate positions once, for the frame's 15 draws."""
+
+    sampled: torch.Tensor  # bool [n, 1]: temperature > 0
+    temperature: torch.Tensor  # float32 [n, 1] (1 for greedy rows)
+    cut: torch.Tensor  # bool [n, c]: positions past the row's top-k
+    top_p: torch.Tensor  # float32 [n, 1]
+    kept: torch.Tensor  # bool [n, c]: kept whatever top-p says (the first; all when top_p >= 1)
+    zero: torch.Tensor  # float32 [1]
+    candidates: int
+
+
+def plan(temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, candidates: int,
+         vocab_size: int) -> _Plan:
+    """The constants of :func:`draw` for rows with these settings (see :func:`sample`)."""
+    c = min(int(candidates), vocab_size)
+    sampled = temperature > 0
+    pos = torch.arange(c, dtype=torch.int64, device=temperature.device)
+    k = torch.where((top_k > 0) & (top_k < c), top_k, torch.full_like(top_k, c))
+    return _Plan(
+        sampled=sampled[:, None],
+        temperature=torch.where(sampled, temperature, torch.ones_like(temperature))[:, None],
+        cut=pos[None, :] >= k[:, None],
+        top_p=top_p[:, None],
+        kept=(pos[None, :] == 0) | (top_p[:, None] >= 1.0),
+        zero=torch.zeros((1,), dtype=torch.float32, device=temperature.device),
+        candidates=c,
+    )
+
+
+def draw(logits: torch.Tensor, p: _Plan, uniform: torch.Tensor) -> torch.Tensor:
+    """One id per row from logits [n, V] float32 with the plan's settings and
+    uniform [n] in [0, 1) (see :func:`sample`)."""
+    vals, ids = logits.topk(p.candidates, dim=-1)
+    # one canonical order, (logit desc, id asc): a stable sort by value of the candidates in id order
+    ids, by_id = ids.sort(dim=-1)
+    vals, by_val = vals.gather(-1, by_id).sort(dim=-1, descending=True, stable=True)
+    ids = ids.gather(-1, by_val)
+    vals = (vals / p.temperature).masked_fill_(p.cut, float("-inf"))
+    weight = (vals - vals[:, :1]).exp_()  # unnormalised probabilities, the largest first
+    cum = weight.cumsum(-1)
+    # top-p: keep an id while the mass before it is below top_p of the whole (always the first)
+    keep = ((cum - weight) < p.top_p * cum[:, -1:]) | p.kept
+    cum = (weight * keep).cumsum(-1)
+    total = cum[:, -1:]
+    # the first id whose cumulative mass exceeds u * total; u * total < total even after rounding
+    threshold = torch.minimum(uniform[:, None] * total, torch.nextafter(total, p.zero))
+    j = torch.searchsorted(cum, threshold, right=True).masked_fill_(~p.sampled, 0)
+    return ids.gather(-1, j)[:, 0]
 
 
 def sample(
@@ -139,38 +183,21 @@ def sample(
     temperature [n] (<= 0: greedy), top_k [n] int64 (0: off), top_p [n]
     (>= 1: off), uniform [n] in [0, 1) (the row's draw). ``candidates``
     (static) is how many of the best ids a sampled row may choose from: every
-    sampled row's top_k must be in 1..candidates, or candidates must be V.
-    Greedy is the largest logit, exact ties to the smaller id (argmax's).
+    sampled row's top_k must be in 1..candidates, or candidates must be V
+    (0: every row greedy). Greedy is the largest logit, exact ties to the
+    smaller id (argmax's).
 
     Rows are independent, and a row's id does not depend on ``candidates``
     either: the candidates are put in one canonical order (logit desc, id
     asc), every later quantity is a prefix sum (sequential on CPU), and the
     ids past a row's top-k weigh exactly 0. (A tie group straddling the
     candidate boundary could differ, which needs more than candidates - top_k
-    equal logits.) No host sync, no data-dependent shape."""
+    equal logits.) No host sync, no data-dependent shape. The predictor
+    builds the :func:`plan` once per frame and calls :func:`draw` per
+    codebook."""
     if candidates <= 0:
         return logits.argmax(-1)
-    c = min(int(candidates), logits.shape[-1])
-    vals, ids = logits.topk(c, dim=-1)
-    order = _tie_keys(vals, ids).argsort(dim=-1, descending=True)
-    ids, vals = ids.gather(-1, order), vals.gather(-1, order)
-    sampled_rows = temperature > 0
-    temp = torch.where(sampled_rows, temperature, torch.ones_like(temperature))
-    vals = vals / temp[:, None]
-    pos = torch.arange(c, dtype=torch.int64, device=logits.device)
-    k = torch.where((top_k > 0) & (top_k < c), top_k, torch.full_like(top_k, c))
-    vals = vals.masked_fill(pos[None, :] >= k[:, None], float("-inf"))
-    weight = torch.exp(vals - vals[:, :1])  # unnormalised probabilities, the largest first
-    cum = weight.cumsum(-1)
-    before = F.pad(cum[:, :-1], (1, 0))  # the mass before each id
-    # top-p: keep an id while the mass before it is below top_p (always the first)
-    keep = (before < top_p[:, None] * cum[:, -1:]) | (pos[None, :] == 0) | (top_p[:, None] >= 1.0)
-    weight = weight * keep
-    cum = weight.cumsum(-1)
-    j = (cum <= (uniform * cum[:, -1])[:, None]).sum(-1)
-    last = (weight > 0).sum(-1) - 1  # the kept ids are a prefix
-    j = torch.where(sampled_rows, torch.minimum(j, last.clamp_min(0)), torch.zeros_like(j))
-    return ids.gather(-1, j[:, None])[:, 0]
+    return draw(logits, plan(temperature, top_k, top_p, candidates, logits.shape[-1]), uniform)
 
 
 @dataclass
@@ -239,12 +266,12 @@ class SamplingBatch:
 
 # -- batch invariance: the row tile ------------------------------------------------
 
-_TILES = (8, 16, 32, 64)
+_TILES = (4, 8, 16, 32, 64)
 _tile_cache: dict[tuple, int] = {}
 
 
 def row_tile(shapes: Sequence[tuple[int, int]], max_rows: int) -> int:
-    """The smallest row count T in (8, 16, 32, 64) such that, on this host and
+    """The smallest row count T in (4, 8, 16, 32, 64) such that, on this host and
     at this thread count, torch's CPU float32 ``F.linear`` gives each row the
     same bits in calls of T, 2T, 3T, max_rows / 2 and max_rows rows, for each
     (in_features, out_features) in ``shapes``. Measured once per process
@@ -252,7 +279,7 @@ def row_tile(shapes: Sequence[tuple[int, int]], max_rows: int) -> int:
     depends on the shapes, not on the values.
 
     On an AVX2 host with MKL, rows of calls with 4k rows agree and 1-3 rows
-    (GEMV and partial tiles) differ: T = 8. If no T agrees, batch invariance
+    (GEMV and partial tiles) differ: T = 4. If no T agrees, batch invariance
     does not hold on this host: a warning is logged and 64 is returned."""
     key = (tuple(shapes), int(max_rows), torch.get_num_threads())
     if key in _tile_cache:
@@ -288,45 +315,57 @@ class _Layer(nn.Module):
     def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int) -> None:
         super().__init__()
         self.heads, self.kv_heads, self.head_dim, self.inter = heads, kv_heads, head_dim, inter
-        self.qkv = nn.Parameter(torch.empty((heads + 2 * kv_heads) * head_dim, hidden), requires_grad=False)
-        self.o = nn.Parameter(torch.empty(hidden, heads * head_dim), requires_grad=False)
+        self.qkv = nn.Parameter(torch.zeros((heads + 2 * kv_heads) * head_dim, hidden), requires_grad=False)
+        self.o = nn.Parameter(torch.zeros(hidden, heads * head_dim), requires_grad=False)
         self.q_norm = nn.Parameter(torch.ones(head_dim), requires_grad=False)
         self.k_norm = nn.Parameter(torch.ones(head_dim), requires_grad=False)
-        self.gate_up = nn.Parameter(torch.empty(2 * inter, hidden), requires_grad=False)
-        self.down = nn.Parameter(torch.empty(hidden, inter), requires_grad=False)
+        self.gate_up = nn.Parameter(torch.zeros(2 * inter, hidden), requires_grad=False)
+        self.down = nn.Parameter(torch.zeros(hidden, inter), requires_grad=False)
         self.input_norm = nn.Parameter(torch.ones(hidden), requires_grad=False)
         self.post_norm = nn.Parameter(torch.ones(hidden), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, pos: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                cos: torch.Tensor, sin: torch.Tensor, mask: torch.Tensor | None, eps: float) -> torch.Tensor:
-        """x [b, t, H] at positions pos..pos+t-1; k_cache/v_cache [b, kv, G, D]
-        (written at those positions); cos/sin [t, 1, D] (sin signed for the
-        half swap); mask [rep*t, pos+t] bool, True where a key is hidden, or
-        None (t == 1: every cached key is visible)."""
-        b, t, hidden = x.shape
+    def qk_norm_weight(self) -> torch.Tensor:
+        """q_norm for each query head and k_norm for each KV head: [heads + kv_heads, D]."""
+        d = self.head_dim
+        return torch.cat((self.q_norm.expand(self.heads, d), self.k_norm.expand(self.kv_heads, d)))
+
+    def forward(self, x: torch.Tensor, t: int, pos: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                cos: torch.Tensor, sin: torch.Tensor, qk_norm: torch.Tensor, mask: torch.Tensor | None,
+                eps: float) -> torch.Tensor:
+        """x [b * t, H]: row i * t + j is request i at position pos + j;
+        k_cache/v_cache [b, kv, G, D] (written at those positions); cos/sin
+        [t, 1, D] (sin signed for the half swap); qk_norm: :meth:`qk_norm_weight`;
+        mask [rep * t, pos + t] bool, True where a key is hidden, or None
+        (t == 1: every cached key is visible)."""
+        hidden = x.shape[1]
+        b = x.shape[0] // t
         h, kv, d = self.heads, self.kv_heads, self.head_dim
         rep = h // kv
         qkv = F.linear(F.rms_norm(x, (hidden,), self.input_norm, eps), self.qkv)
-        qk = F.rms_norm(qkv[..., : (h + kv) * d].view(b, t, h + kv, d), (d,), None, eps)
-        qk[:, :, :h].mul_(self.q_norm)
-        qk[:, :, h:].mul_(self.k_norm)
+        qk = F.rms_norm(qkv[:, : (h + kv) * d].view(b, t, h + kv, d), (d,), None, eps) * qk_norm
         # rotary: x * cos + rotate_half(x) * sin, rotate_half = the halves swapped (sign in ``sin``)
-        qk = torch.addcmul(qk * cos, qk.view(b, t, h + kv, 2, d // 2).flip(-2).view(b, t, h + kv, d), sin)
-        end = pos + t
-        k_cache[:, :, pos:end].copy_(qk[:, :, h:].transpose(1, 2))
-        v_cache[:, :, pos:end].copy_(qkv[..., (h + kv) * d :].view(b, t, kv, d).transpose(1, 2))
+        qk = torch.addcmul(qk * cos, qk.roll(d // 2, -1), sin)
+        k_cache.narrow(2, pos, t).copy_(qk[:, :, h:].transpose(1, 2))
+        v_cache.narrow(2, pos, t).copy_(qkv[:, (h + kv) * d :].view(b, t, kv, d).transpose(1, 2))
         # the rep query heads of KV head j are its query rows: [b, kv, rep * t, D], no K/V copy.
         # Plain matmuls, not scaled_dot_product_attention: torch's CPU flash kernel gives the
         # batch's last row other bits at some key lengths (9, 11, 13, 15), which breaks batch invariance.
-        q = qk[:, :, :h].reshape(b, t, kv, rep, d).permute(0, 2, 3, 1, 4).reshape(b, kv, rep * t, d)
-        scores = torch.matmul(q, k_cache[:, :, :end].transpose(-1, -2)) * d**-0.5
+        if t == 1:
+            q = qk[:, 0, :h].view(b, kv, rep, d)
+        else:
+            q = qk[:, :, :h].reshape(b, t, kv, rep, d).permute(0, 2, 3, 1, 4).reshape(b, kv, rep * t, d)
+        end = pos + t
+        scores = torch.matmul(q, k_cache.narrow(2, 0, end).transpose(-1, -2)) * d**-0.5
         if mask is not None:
             scores = scores.masked_fill(mask, float("-inf"))
-        out = torch.matmul(scores.softmax(-1), v_cache[:, :, :end])
-        out = out.view(b, kv, rep, t, d).permute(0, 3, 1, 2, 4).reshape(b, t, h * d)
+        out = torch.matmul(scores.softmax(-1), v_cache.narrow(2, 0, end))
+        if t == 1:
+            out = out.view(b, h * d)
+        else:
+            out = out.view(b, kv, rep, t, d).permute(0, 3, 1, 2, 4).reshape(b * t, h * d)
         x = x + F.linear(out, self.o)
         gu = F.linear(F.rms_norm(x, (hidden,), self.post_norm, eps), self.gate_up)
-        return x + F.linear(F.silu(gu[..., : self.inter]) * gu[..., self.inter :], self.down)
+        return x + F.linear(F.silu(gu[:, : self.inter]) * gu[:, self.inter :], self.down)
 
 
 class CodePredictor(nn.Module):
@@ -357,11 +396,11 @@ class CodePredictor(nn.Module):
         self.hidden_size, self.heads, self.kv_heads, self.head_dim = hidden, heads, kv, head_dim
         self.intermediate_size = int(config["intermediate_size"])
         self.max_bucket = int(max_bucket)
-        self.compile = bool(compile)
+        self.use_compile = bool(compile)
         self.cuda_graphs = bool(cuda_graphs)
         g1 = self.num_groups - 1
-        self.codec_embedding = nn.Parameter(torch.empty(g1, self.vocab_size, hidden), requires_grad=False)
-        self.lm_head = nn.Parameter(torch.empty(g1, self.vocab_size, hidden), requires_grad=False)
+        self.codec_embedding = nn.Parameter(torch.zeros(g1, self.vocab_size, hidden), requires_grad=False)
+        self.lm_head = nn.Parameter(torch.zeros(g1, self.vocab_size, hidden), requires_grad=False)
         self.norm = nn.Parameter(torch.ones(hidden), requires_grad=False)
         self.layers = nn.ModuleList(
             _Layer(hidden, heads, kv, head_dim, self.intermediate_size)
@@ -371,8 +410,8 @@ class CodePredictor(nn.Module):
         theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
         inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim))
         freqs = torch.outer(torch.arange(self.num_groups, dtype=torch.float32), inv)
-        self.register_buffer("_cos", torch.cat((freqs, freqs), dim=-1).cos(), persistent=False)
-        self.register_buffer("_sin", torch.cat((-freqs.sin(), freqs.sin()), dim=-1), persistent=False)
+        self.register_buffer("_cos", torch.cat((freqs, freqs), dim=-1).cos()[:, None, :], persistent=False)
+        self.register_buffer("_sin", torch.cat((-freqs.sin(), freqs.sin()), dim=-1)[:, None, :], persistent=False)
         rep = heads // kv
         # the first pass's two positions: query row (r, i) sees keys 0..i (True: hidden)
         mask = torch.arange(2)[None, :] > torch.arange(2).repeat(rep)[:, None]
@@ -436,7 +475,8 @@ class CodePredictor(nn.Module):
 
     # -- buckets -----------------------------------------------------------------------
     def row_tile(self) -> int:
-        """Padded batches are multiples of this (see :func:`row_tile`; 8 off CPU)."""
+        """Padded batches are multiples of this (see :func:`row_tile`; 8 off CPU, a multiple of the
+        warp-sized tiles GPU kernels use)."""
         if self.codec_embedding.device.type != "cpu":
             return 8
         hid, d, h, kv = self.hidden_size, self.head_dim, self.heads, self.kv_heads
@@ -452,9 +492,10 @@ class CodePredictor(nn.Module):
 
     def _kv_cache(self, rows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Per layer (k, v) [rows, kv, G, D] views of one buffer for max_bucket rows."""
-        if self._kv is None or self._kv.device != self.codec_embedding.device:
+        w = self.codec_embedding
+        if self._kv is None or self._kv.device != w.device or self._kv.dtype != w.dtype:
             self._kv = torch.empty((len(self.layers), 2, self.max_bucket, self.kv_heads, self.num_groups,
-                                    self.head_dim), dtype=self.codec_embedding.dtype, device=self.codec_embedding.device)
+                                    self.head_dim), dtype=w.dtype, device=w.device)
         return [(self._kv[i, 0, :rows], self._kv[i, 1, :rows]) for i in range(len(self.layers))]
 
     # -- the frame ---------------------------------------------------------------------
@@ -463,28 +504,30 @@ class CodePredictor(nn.Module):
         """The 15 passes of one frame, static shapes: x [b, 2, H] (last hidden,
         code-0 embedding), sampling [b] (seed [b, 2]). Returns codes [b, G-1]
         and the sum of their embeddings [b, H]."""
-        b = x.shape[0]
+        b, _, hidden = x.shape
         kv = self._kv_cache(b)
+        qk_norms = [layer.qk_norm_weight() for layer in self.layers]
+        sampler = plan(temperature, top_k, top_p, candidates, self.vocab_size) if candidates else None
         u = uniforms(seed, frame, self._groups) if candidates else None
         codes: list[torch.Tensor] = []
         embed_sum: torch.Tensor | None = None
-        h, pos = x, 0
+        h, t, pos = x.reshape(b * 2, hidden), 2, 0  # the first pass: both positions of each request
         for g in range(self.num_groups - 1):
-            t = h.shape[1]
-            cos, sin = self._cos[pos : pos + t, None, :], self._sin[pos : pos + t, None, :]
+            cos, sin = self._cos[pos : pos + t], self._sin[pos : pos + t]
             mask = self._mask if t > 1 else None
-            for layer, (kc, vc) in zip(self.layers, kv, strict=True):
-                h = layer(h, pos, kc, vc, cos, sin, mask, self.eps)
+            for layer, (kc, vc), qk_norm in zip(self.layers, kv, qk_norms, strict=True):
+                h = layer(h, t, pos, kc, vc, cos, sin, qk_norm, mask, self.eps)
+            last = h if t == 1 else h.view(b, t, hidden)[:, -1]
             pos += t
-            logits = F.linear(F.rms_norm(h[:, -1], (self.hidden_size,), self.norm, self.eps), self.lm_head[g])
-            if u is None:
+            logits = F.linear(F.rms_norm(last, (hidden,), self.norm, self.eps), self.lm_head[g])
+            if sampler is None or u is None:
                 code = logits.argmax(-1)
             else:
-                code = sample(logits.float(), temperature, top_k, top_p, u[:, g], candidates)
+                code = draw(logits.float(), sampler, u[:, g])
             codes.append(code)
-            emb = F.embedding(code, self.codec_embedding[g])
-            embed_sum = emb if embed_sum is None else embed_sum + emb
-            h = emb[:, None, :]
+            h = F.embedding(code, self.codec_embedding[g])
+            embed_sum = h if embed_sum is None else embed_sum + h
+            t = 1
         assert embed_sum is not None
         return torch.stack(codes, dim=1), embed_sum
 
@@ -505,7 +548,7 @@ class CodePredictor(nn.Module):
                 self._kv_cache(self.max_bucket)  # allocated once, before any capture
                 self._graphs = _GraphRunner(self._frame)
             codes, embed_sum = self._graphs.run((args[0].shape[0], s.candidates), args, s.candidates)
-        elif self.compile and dev.type == "cpu":
+        elif self.use_compile and dev.type == "cpu":
             if self._compiled is None:
                 self._compiled = torch.compile(self._frame, dynamic=False)
             codes, embed_sum = self._compiled(*args, s.candidates)
