@@ -250,18 +250,20 @@ def host_info(threads: int) -> dict[str, Any]:
     }
 
 
-def run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
-    """The suite (``args`` from :func:`build_parser`); torch's thread count is restored after."""
+def run(args: argparse.Namespace, argv: list[str], save: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+    """The suite (``args`` from :func:`build_parser`); ``save`` gets the
+    results so far after every configuration (a long run that is stopped
+    keeps what it measured). torch's thread count is restored after."""
     threads = torch.get_num_threads()
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        return _run(args, argv)
+        return _run(args, argv, save or (lambda _: None))
     finally:
         torch.set_num_threads(threads)
 
 
-def _run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
+def _run(args: argparse.Namespace, argv: list[str], save: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
     from bench.common import log
 
     threads = torch.get_num_threads()
@@ -323,6 +325,8 @@ def _run(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
                         row[f"speedup_vs_{impl}"] = spread([a / b for a, b in zip(times[impl], times["ours"],
                                                                                   strict=True)])
                 result["summary"].append(row)
+                result["targets"] = targets(result["summary"])
+                save(result)
     result["targets"] = targets(result["summary"])
     return result
 
@@ -414,11 +418,15 @@ def main(argv: list[str]) -> int:
     from bench.common import RESULTS_ROOT, log, timestamp
 
     out = Path(args.out) if args.out else RESULTS_ROOT / f"code-predictor-{timestamp()}.json"
-    t0 = time.perf_counter()
-    result = run(args, ["omni-serving", "bench", "code-predictor", *argv])
-    result["wall_s"] = time.perf_counter() - t0
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(result, indent=2) + "\n")
+    t0 = time.perf_counter()
+
+    def save(result: dict[str, Any]) -> None:
+        result["wall_s"] = time.perf_counter() - t0
+        out.write_text(json.dumps(result, indent=2) + "\n")
+
+    result = run(args, ["omni-serving", "bench", "code-predictor", *argv], save)
+    save(result)
     print(markdown(result))
     log(f"code-predictor: done in {result['wall_s']:.0f}s; results in {out}")
     print(f"\nresults: {out}")

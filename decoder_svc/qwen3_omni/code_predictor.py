@@ -20,7 +20,8 @@ frame with static shapes):
   preallocated buffer per device, written in place at each pass's positions;
   attention reads it without copying K/V for grouped-query attention (the
   query heads of one KV head are that head's query rows).
-- Sampling (:func:`sample`) is vectorised over rows: temperature, top-k and
+- Sampling (:func:`sample`; in the frame, one :func:`plan` and a
+  :func:`draw` per codebook) is vectorised over rows: temperature, top-k and
   top-p per row, greedy rows (temperature 0) in the same batch, no host sync.
   Each row draws from its own counter-based stream (:func:`uniforms`): a
   hash of (seed, frame index, codebook), so a request's codes depend on its
@@ -38,10 +39,11 @@ Invariants:
   arithmetic whatever the row count; rows of a GEMV (1 row) or of a partial
   tile differ in their last bits, enough to flip a near-tie). Padding rows
   (zeros, greedy) never change the real rows. Attention is two plain
-  matmuls per KV head (each batch row its own small product). On CUDA a row's bits are the
-  same in any batch padded to the same bucket; across buckets cuBLAS may
-  pick another kernel, so codes can differ only where a logit near-tie or a
-  draw within float rounding of a CDF boundary meets that last-bit change.
+  matmuls per KV head (each batch row its own small product). On CUDA a
+  row's bits are the same in any batch padded to the same bucket; across
+  buckets cuBLAS may pick another kernel, so codes can differ only where a
+  logit near-tie or a draw within float rounding of a CDF boundary meets
+  that last-bit change.
 - Sampling semantics follow transformers' warpers (temperature, then top-k,
   then top-p over the top-k distribution, keeping tokens whose preceding mass
   is below top_p), with exact ties broken by the smaller id (top-k keeps
