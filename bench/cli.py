@@ -12,6 +12,10 @@ nothing into bench/results/. Progress bars go to stderr.
 regenerates bench/RESULTS.md from the results files that
 bench/results/INDEX.yaml names (bench/report.py); `--check` fails when
 RESULTS.md differs from what the files give.
+
+`code-predictor` (not part of all) has its own options
+(`omni-serving bench code-predictor --help`) and writes its results file the
+same way.
 """
 
 from __future__ import annotations
@@ -28,8 +32,9 @@ SUITES = ("step-gap", "handoff", "e2e")
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="omni-serving bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("suite", choices=(*SUITES, "all", "breakdown"),
-                   help="which benchmark to run (breakdown: a diagnostic of the critical path, not part of all)")
+    p.add_argument("suite", choices=(*SUITES, "all", "breakdown", "code-predictor"),
+                   help="which benchmark to run (breakdown: a diagnostic of the critical path, not part of all; "
+                        "code-predictor: its own options, see `code-predictor --help`)")
     p.add_argument("--quick", action="store_true",
                    help="tiny sizes for CI (batch 1 and 4, payloads up to 1 MiB, concurrency 1 and 4, fake engine)")
     p.add_argument("--out", default="", help="run folder (default bench/results/<suite>-<timestamp>/); "
@@ -94,6 +99,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench.report import main as report_main
 
         return report_main(argv[1:])
+    if argv[:1] == ["code-predictor"]:
+        from bench import code_predictor
+
+        return code_predictor.main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.replicas < 1:

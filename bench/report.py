@@ -55,6 +55,7 @@ RENDERERS = {
     "e2e": "bench.e2e",
     "breakdown": "bench.breakdown",
     "code2wav-stream": "bench.code2wav_stream",
+    "code-predictor": "bench.code_predictor",
 }
 INDEX = record.RESULTS_DIR / "INDEX.yaml"
 RESULTS_MD = Path(__file__).resolve().parent / "RESULTS.md"

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fake_device import FakeDeviceMode, module_to_device, to_device, to_host  # noqa: E402
 
 from decoder_svc.backend import LazyDict, LazyList  # noqa: E402
-from decoder_svc.qwen3_omni.code_predictor import CodePredictor  # noqa: E402
+from decoder_svc.qwen3_omni.code_predictor import CodePredictor, SamplingBatch  # noqa: E402
 from decoder_svc.qwen3_omni.talker import TalkerRequestState, sampled_frame_codes  # noqa: E402
 from decoder_svc.snapshot import meta_of, step_tensors, take_snapshot  # noqa: E402
 from decoder_svc.testing.standin_backend import StandinBackend  # noqa: E402
@@ -228,8 +228,7 @@ def test_talker_frame_codes_run_on_the_models_device_without_a_sync():
     want = sampled_frame_codes(host_talker, req_ids, hidden, code0, valid)
     assert want[:, 0].tolist() == code0.tolist()
     assert want[1, 1:].tolist() == [0] * (K - 1) and want[3, 1:].tolist() == [0] * (K - 1)
-    ref_codes, _ = cp.predict(hidden[[0, 2]], emb(code0[[0, 2]]), temperature=[0.0, 0.0], top_k=[0, 0],
-                              top_p=[1.0, 1.0], generators=[None, None])
+    ref_codes, _ = cp.predict(hidden[[0, 2]], emb(code0[[0, 2]]), SamplingBatch.greedy(2))
     assert torch.equal(want[[0, 2], 1:], ref_codes)
 
     dev_cp = module_to_device(copy.deepcopy(cp))

@@ -371,12 +371,6 @@ class TalkerBackend(VLLMBackend):
             prompt_embeds = builder.head(hidden)
             trailing = builder.take()
         greedy = spec.temperature <= 0
-        gen = None
-        if not greedy:
-            device = model.code_predictor.lm_head[0].weight.device
-            gen = torch.Generator(device=device).manual_seed(
-                (int(spec.seed) * 1_000_003 + 17) % 2**63
-            )
         state = TalkerRequestState(
             prompt_len=int(prompt_embeds.shape[0]),
             trailing=trailing,
@@ -386,7 +380,7 @@ class TalkerBackend(VLLMBackend):
             temperature=0.0 if greedy else self.sampling["code_predictor_temperature"],
             top_k=self.sampling["code_predictor_top_k"],
             top_p=self.sampling["code_predictor_top_p"],
-            generator=gen,
+            seed=int(spec.seed),
         )
         with model.states_lock:
             model.states[spec.request_id] = state

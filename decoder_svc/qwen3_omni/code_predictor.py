@@ -1,194 +1,641 @@
-"""The talker's code predictor: the 15 residual codebooks of one codec frame.
+"""The talker's code predictor: the 15 residual codebooks of one codec frame,
+built for serving.
 
-Given the talker's last (normalised) hidden row and the first codebook's code,
-a small causal transformer predicts codebooks 1..G-1 one after the other,
-each step feeding the embedding of the code just chosen (group ``g`` has its
-own embedding table and output head). It runs inside the talker's decode
-step, batched over the step's requests, with a fresh KV cache per frame
-(G + 1 positions at most), so it needs no paged cache of its own.
+Given the talker's last (normalised) hidden row and the first codebook's
+code, a small causal transformer predicts codebooks 1..G-1 one after the
+other, each pass feeding the embedding of the code just chosen (group ``g``
+has its own embedding table and output head). It runs inside the talker's
+decode step, batched over the step's requests, with a fresh KV cache per
+frame (G positions), so it needs no paged cache of its own.
 
-Weights use the released names under ``talker.code_predictor.``:
-``model.codec_embedding.{g}.weight``, ``model.layers.{i}.*``,
-``model.norm.weight``, ``lm_head.{g}.weight``.
+How it is built (one function, :meth:`CodePredictor._frame`, runs the whole
+frame with static shapes):
+- Weights are loaded from the released names under ``talker.code_predictor.``
+  (``model.codec_embedding.{g}.weight``, ``model.layers.{i}.*``,
+  ``model.norm.weight``, ``lm_head.{g}.weight``) and fused at load: q/k/v
+  into one ``qkv`` matrix, gate/up into ``gate_up``, the G-1 embedding tables
+  and heads stacked.
+- The batch is padded to a bucket (a multiple of :func:`row_tile`, at most
+  ``max_bucket`` rows; larger batches run in chunks). The KV cache is one
+  preallocated buffer per device, written in place at each pass's positions;
+  attention reads it without copying K/V for grouped-query attention (the
+  query heads of one KV head are that head's query rows).
+- Sampling (:func:`sample`; in the frame, one :func:`plan` and a
+  :func:`draw` per codebook) is vectorised over rows: temperature, top-k and
+  top-p per row, greedy rows (temperature 0) in the same batch, no host sync.
+  Each row draws from its own counter-based stream (:func:`uniforms`): a
+  hash of (seed, frame index, codebook), so a request's codes depend on its
+  seed and its own frame count alone, never on which requests share the
+  batch, and the draw needs no generator state (CUDA graph replay-safe).
+- On CUDA each (bucket, candidates) shape is captured once as a CUDA graph
+  (:class:`_GraphRunner`) and replayed; elsewhere the same function runs
+  eagerly (``torch.compile`` optional: ``compile=True``, off by default).
+
+Invariants:
+- Batch invariance (CPU float32, bitwise): a row's codes never depend on the
+  batch's other rows or size. Every matrix product runs with a row count that
+  is a multiple of the host's row tile, measured once per process by
+  :func:`row_tile` (MKL computes a row of a full kernel tile with the same
+  arithmetic whatever the row count; rows of a GEMV (1 row) or of a partial
+  tile differ in their last bits, enough to flip a near-tie). Padding rows
+  (zeros, greedy) never change the real rows. Attention is two plain
+  matmuls per KV head (each batch row its own small product). On CUDA a
+  row's bits are the same in any batch padded to the same bucket; across
+  buckets cuBLAS may pick another kernel, so codes can differ only where a
+  logit near-tie or a draw within float rounding of a CDF boundary meets
+  that last-bit change.
+- Sampling semantics follow transformers' warpers (temperature, then top-k,
+  then top-p over the top-k distribution, keeping tokens whose preceding mass
+  is below top_p), with exact ties broken by the smaller id (top-k keeps
+  exactly k); the draw is the inverse CDF of one uniform over the kept
+  tokens sorted by (logit desc, id asc) -- inverse CDF rather than
+  Gumbel-max: one hash per row and codebook instead of one per vocabulary
+  id.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-__all__ = ["CodePredictor", "sample_rows"]
+__all__ = ["CodePredictor", "SamplingBatch", "draw", "plan", "row_tile", "sample", "uniforms"]
+
+log = logging.getLogger(__name__)
+
+# -- counter-based noise ---------------------------------------------------------
+#
+# A 32-bit hash on int64 tensors (lanes in [0, 2**32)): every product stays
+# below 2**63, so int64 arithmetic is exact on every backend (no reliance on
+# wrap-around). Chris Wellons' "lowbias32" mixer.
+
+_M32 = 0xFFFFFFFF
+_MIX1, _MIX2 = 0x7FEB352D, 0x846CA68B
+_SALT = 0x5BD1E995  # separates this stream from any other hash of the seed
+_U24 = 2.0**-24
 
 
-class _RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.to(torch.float32)
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+def _mul32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2**32 for x in [0, 2**32), without an int64 overflow."""
+    if c < 2**31:
+        return (x * c) & _M32
+    return (-(x * (2**32 - c))) & _M32  # x * c == -x * (2**32 - c)  (mod 2**32)
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    h = x.shape[-1] // 2
-    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    x = x ^ (x >> 16)
+    x = _mul32(x, _MIX1)
+    x = x ^ (x >> 15)
+    x = _mul32(x, _MIX2)
+    return x ^ (x >> 16)
+
+
+def group_keys(num: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """The per-codebook keys mixed into :func:`uniforms` (int64 [num])."""
+    return _mix32((torch.arange(num, dtype=torch.int64, device=device) + 1) * 0x9E3779B9 & _M32)
+
+
+def uniforms(seed: torch.Tensor, frame: torch.Tensor, groups: torch.Tensor) -> torch.Tensor:
+    """One uniform in [0, 1) per (row, codebook): float32 [n, len(groups)].
+
+    seed: int64 [n, 2], the request seed's low and high 32-bit words; frame:
+    int64 [n], the request's frame index (frames predicted before this one);
+    groups: :func:`group_keys`. A pure function of (seed, frame, codebook):
+    no generator state, the same on every device and in any batch. 24 bits of
+    resolution (the float32 mantissa)."""
+    k = _mix32(seed[:, 0] ^ _SALT)
+    k = _mix32(k ^ seed[:, 1])
+    k = _mix32(k ^ (frame & _M32))
+    k = _mix32(k ^ ((frame >> 32) & _M32))
+    h = _mix32(k[:, None] ^ groups[None, :])
+    return (h >> 8).to(torch.float32) * _U24
+
+
+# -- the sampler ------------------------------------------------------------------
+
+
+@dataclass
+class _Plan:
+    """A frame's sampler constants: the rows' settings turned into tensors
+    over candidate positions once, for the frame's 15 draws."""
+
+    sampled: torch.Tensor  # bool [n, 1]: temperature > 0
+    temperature: torch.Tensor  # float32 [n, 1] (1 for greedy rows)
+    cut: torch.Tensor  # bool [n, c]: positions past the row's top-k
+    top_p: torch.Tensor  # float32 [n, 1]
+    kept: torch.Tensor  # bool [n, c]: kept whatever top-p says (the first; all when top_p >= 1)
+    zero: torch.Tensor  # float32 [1]
+    candidates: int
+
+
+def plan(temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor, candidates: int,
+         vocab_size: int) -> _Plan:
+    """The constants of :func:`draw` for rows with these settings (see :func:`sample`)."""
+    c = min(int(candidates), vocab_size)
+    sampled = temperature > 0
+    pos = torch.arange(c, dtype=torch.int64, device=temperature.device)
+    k = torch.where((top_k > 0) & (top_k < c), top_k, torch.full_like(top_k, c))
+    return _Plan(
+        sampled=sampled[:, None],
+        temperature=torch.where(sampled, temperature, torch.ones_like(temperature))[:, None],
+        cut=pos[None, :] >= k[:, None],
+        top_p=top_p[:, None],
+        kept=(pos[None, :] == 0) | (top_p[:, None] >= 1.0),
+        zero=torch.zeros((1,), dtype=torch.float32, device=temperature.device),
+        candidates=c,
+    )
+
+
+def draw(logits: torch.Tensor, p: _Plan, uniform: torch.Tensor) -> torch.Tensor:
+    """One id per row from logits [n, V] float32 with the plan's settings and
+    uniform [n] in [0, 1) (see :func:`sample`)."""
+    vals, ids = logits.topk(p.candidates, dim=-1)
+    # one canonical order, (logit desc, id asc): a stable sort by value of the candidates in id order
+    ids, by_id = ids.sort(dim=-1)
+    vals, by_val = vals.gather(-1, by_id).sort(dim=-1, descending=True, stable=True)
+    ids = ids.gather(-1, by_val)
+    vals = (vals / p.temperature).masked_fill_(p.cut, float("-inf"))
+    weight = (vals - vals[:, :1]).exp_()  # unnormalised probabilities, the largest first
+    cum = weight.cumsum(-1)
+    # top-p: keep an id while the mass before it is below top_p of the whole (always the first)
+    keep = ((cum - weight) < p.top_p * cum[:, -1:]) | p.kept
+    cum = (weight * keep).cumsum(-1)
+    total = cum[:, -1:]
+    # the first id whose cumulative mass exceeds u * total; u * total < total even after rounding
+    threshold = torch.minimum(uniform[:, None] * total, torch.nextafter(total, p.zero))
+    j = torch.searchsorted(cum, threshold, right=True).masked_fill_(~p.sampled, 0)
+    return ids.gather(-1, j)[:, 0]
+
+
+def sample(
+    logits: torch.Tensor,
+    temperature: torch.Tensor,
+    top_k: torch.Tensor,
+    top_p: torch.Tensor,
+    uniform: torch.Tensor,
+    candidates: int,
+) -> torch.Tensor:
+    """One id per row (int64 [n]) from logits [n, V] float32.
+
+    temperature [n] (<= 0: greedy), top_k [n] int64 (0: off), top_p [n]
+    (>= 1: off), uniform [n] in [0, 1) (the row's draw). ``candidates``
+    (static) is how many of the best ids a sampled row may choose from: every
+    sampled row's top_k must be in 1..candidates, or candidates must be V
+    (0: every row greedy). Greedy is the largest logit, exact ties to the
+    smaller id (argmax's).
+
+    Rows are independent, and a row's id does not depend on ``candidates``
+    either: the candidates are put in one canonical order (logit desc, id
+    asc), every later quantity is a prefix sum (sequential on CPU), and the
+    ids past a row's top-k weigh exactly 0. (A tie group straddling the
+    candidate boundary could differ, which needs more than candidates - top_k
+    equal logits.) No host sync, no data-dependent shape. The predictor
+    builds the :func:`plan` once per frame and calls :func:`draw` per
+    codebook."""
+    if candidates <= 0:
+        return logits.argmax(-1)
+    return draw(logits, plan(temperature, top_k, top_p, candidates, logits.shape[-1]), uniform)
+
+
+@dataclass
+class SamplingBatch:
+    """The code predictor's per-row sampling settings, as tensors on the
+    model's device, plus the static candidate count (see :func:`sample`).
+
+    ``frame`` is the request's frame index: its count of frames predicted so
+    far, kept in the request's state (``TalkerRequestState.frames``)."""
+
+    temperature: torch.Tensor  # float32 [n]
+    top_k: torch.Tensor  # int64 [n]
+    top_p: torch.Tensor  # float32 [n]
+    seed: torch.Tensor  # int64 [n, 2]: the seed's low and high 32-bit words
+    frame: torch.Tensor  # int64 [n]
+    candidates: int  # 0: every row greedy; else ids a sampled row may choose from
+
+    def __len__(self) -> int:
+        return int(self.temperature.shape[0])
+
+    @classmethod
+    def build(
+        cls,
+        *,
+        temperature: Sequence[float],
+        top_k: Sequence[int],
+        top_p: Sequence[float],
+        seed: Sequence[int],
+        frame: Sequence[int],
+        vocab_size: int,
+        device: torch.device | str | None = None,
+    ) -> SamplingBatch:
+        """From host values (one per row); the tensors are copied to
+        ``device`` without a sync. A seed is an unsigned 64-bit integer."""
+        n = len(temperature)
+        for name, seq in (("top_k", top_k), ("top_p", top_p), ("seed", seed), ("frame", frame)):
+            if len(seq) != n:
+                raise ValueError(f"{name}: {len(seq)} values for {n} rows")
+        sampled = [k for t, k in zip(temperature, top_k, strict=True) if t > 0]
+        if not sampled:
+            candidates = 0
+        elif all(0 < k < vocab_size for k in sampled):
+            candidates = min(vocab_size, max(64, 1 << (max(sampled) - 1).bit_length()))
+        else:
+            candidates = vocab_size
+        words = [(int(s) & _M32, (int(s) >> 32) & _M32) for s in seed]
+
+        def put(values: Any, dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
+
+        return cls(
+            temperature=put(list(temperature), torch.float32),
+            top_k=put([int(k) for k in top_k], torch.int64),
+            top_p=put(list(top_p), torch.float32),
+            seed=torch.tensor(words, dtype=torch.int64).reshape(n, 2).to(device, non_blocking=True),
+            frame=put([int(f) for f in frame], torch.int64),
+            candidates=candidates,
+        )
+
+    @classmethod
+    def greedy(cls, n: int, device: torch.device | str | None = None) -> SamplingBatch:
+        """n greedy rows."""
+        return cls.build(temperature=[0.0] * n, top_k=[0] * n, top_p=[1.0] * n, seed=[0] * n,
+                         frame=[0] * n, vocab_size=1, device=device)
+
+
+# -- batch invariance: the row tile ------------------------------------------------
+
+_TILES = (4, 8, 16, 32, 64)
+_tile_cache: dict[tuple, int] = {}
+
+
+def row_tile(shapes: Sequence[tuple[int, int]], max_rows: int) -> int:
+    """The smallest row count T in (4, 8, 16, 32, 64) such that, on this host and
+    at this thread count, torch's CPU float32 ``F.linear`` gives each row the
+    same bits in calls of T, 2T, 3T, max_rows / 2 and max_rows rows, for each
+    (in_features, out_features) in ``shapes``. Measured once per process
+    (per shapes and thread count) on random data: which kernel computes a row
+    depends on the shapes, not on the values.
+
+    On an AVX2 host with MKL, rows of calls with 4k rows agree and 1-3 rows
+    (GEMV and partial tiles) differ: T = 4. If no T agrees, batch invariance
+    does not hold on this host: a warning is logged and 64 is returned."""
+    key = (tuple(shapes), int(max_rows), torch.get_num_threads())
+    if key in _tile_cache:
+        return _tile_cache[key]
+    gen = torch.Generator().manual_seed(0)
+    data = [(torch.randn(n, k, generator=gen), torch.randn(max_rows, k, generator=gen)) for k, n in shapes]
+    refs = [F.linear(x, w) for w, x in data]
+    found = 0
+    for tile in _TILES:
+        if max_rows % tile:
+            continue
+        counts = sorted({tile, 2 * tile, 3 * tile, max_rows // 2} & set(range(tile, max_rows + 1, tile)))
+        if all(torch.equal(F.linear(x[:m], w), ref[:m]) for (w, x), ref in zip(data, refs, strict=True)
+               for m in counts):
+            found = tile
+            break
+    if not found:
+        log.warning("code predictor: no row tile up to %d gives batch-invariant matrix products on this host "
+                    "(shapes %s, %d threads): a request's sampled codes may depend on its batch",
+                    _TILES[-1], list(shapes), torch.get_num_threads())
+        found = _TILES[-1]
+    _tile_cache[key] = found
+    return found
+
+
+# -- the model ---------------------------------------------------------------------
 
 
 class _Layer(nn.Module):
-    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int, eps: float) -> None:
+    """One decoder layer with fused projections (released names: see
+    :meth:`CodePredictor.load`)."""
+
+    def __init__(self, hidden: int, heads: int, kv_heads: int, head_dim: int, inter: int) -> None:
         super().__init__()
-        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, head_dim
-        self.self_attn = nn.Module()
-        self.self_attn.q_proj = nn.Linear(hidden, heads * head_dim, bias=False)
-        self.self_attn.k_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
-        self.self_attn.v_proj = nn.Linear(hidden, kv_heads * head_dim, bias=False)
-        self.self_attn.o_proj = nn.Linear(heads * head_dim, hidden, bias=False)
-        self.self_attn.q_norm = _RMSNorm(head_dim, eps)
-        self.self_attn.k_norm = _RMSNorm(head_dim, eps)
-        self.mlp = nn.Module()
-        self.mlp.gate_proj = nn.Linear(hidden, inter, bias=False)
-        self.mlp.up_proj = nn.Linear(hidden, inter, bias=False)
-        self.mlp.down_proj = nn.Linear(inter, hidden, bias=False)
-        self.input_layernorm = _RMSNorm(hidden, eps)
-        self.post_attention_layernorm = _RMSNorm(hidden, eps)
+        self.heads, self.kv_heads, self.head_dim, self.inter = heads, kv_heads, head_dim, inter
+        self.qkv = nn.Parameter(torch.zeros((heads + 2 * kv_heads) * head_dim, hidden), requires_grad=False)
+        self.o = nn.Parameter(torch.zeros(hidden, heads * head_dim), requires_grad=False)
+        self.q_norm = nn.Parameter(torch.ones(head_dim), requires_grad=False)
+        self.k_norm = nn.Parameter(torch.ones(head_dim), requires_grad=False)
+        self.gate_up = nn.Parameter(torch.zeros(2 * inter, hidden), requires_grad=False)
+        self.down = nn.Parameter(torch.zeros(hidden, inter), requires_grad=False)
+        self.input_norm = nn.Parameter(torch.ones(hidden), requires_grad=False)
+        self.post_norm = nn.Parameter(torch.ones(hidden), requires_grad=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, cache: list[torch.Tensor]) -> torch.Tensor:
-        """x [n, t, H]; cos/sin [t, D]; cache: [] or [k, v] of [n, kv, s, D] (updated in place)."""
-        a = self.self_attn
-        n, t, _ = x.shape
-        h = self.input_layernorm(x)
-        q = a.q_norm(a.q_proj(h).view(n, t, self.heads, self.head_dim)).transpose(1, 2)
-        k = a.k_norm(a.k_proj(h).view(n, t, self.kv_heads, self.head_dim)).transpose(1, 2)
-        v = a.v_proj(h).view(n, t, self.kv_heads, self.head_dim).transpose(1, 2)
-        q = q * cos + _rotate_half(q) * sin
-        k = k * cos + _rotate_half(k) * sin
-        if cache:
-            k = torch.cat((cache[0], k), dim=2)
-            v = torch.cat((cache[1], v), dim=2)
-        cache[:] = [k, v]
-        rep = self.heads // self.kv_heads
-        if rep > 1:
-            k = k.repeat_interleave(rep, dim=1)
-            v = v.repeat_interleave(rep, dim=1)
-        # causal over the new rows: row i sees the cached rows and new rows <= i
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=t > 1 and k.shape[2] == t, scale=self.head_dim**-0.5)
-        x = x + a.o_proj(out.transpose(1, 2).reshape(n, t, -1))
-        m = self.mlp
-        h = self.post_attention_layernorm(x)
-        return x + m.down_proj(F.silu(m.gate_proj(h)) * m.up_proj(h))
+    def qk_norm_weight(self) -> torch.Tensor:
+        """q_norm for each query head and k_norm for each KV head: [heads + kv_heads, D]."""
+        d = self.head_dim
+        return torch.cat((self.q_norm.expand(self.heads, d), self.k_norm.expand(self.kv_heads, d)))
 
-
-def sample_rows(
-    logits: torch.Tensor,
-    temperature: Sequence[float],
-    top_k: Sequence[int],
-    top_p: Sequence[float],
-    generators: Sequence[torch.Generator | None],
-) -> torch.Tensor:
-    """One id per row: greedy where temperature is 0, else temperature +
-    top-k + top-p sampling with the row's generator. logits [n, V] float32."""
-    out = logits.argmax(-1)
-    for i, temp in enumerate(temperature):
-        if temp <= 0:
-            continue
-        row = logits[i] / temp
-        k = top_k[i]
-        if 0 < k < row.numel():
-            kth = torch.topk(row, k).values[-1]
-            row = row.masked_fill(row < kth, float("-inf"))
-        p = top_p[i]
-        if p < 1.0:
-            sorted_logits, idx = torch.sort(row, descending=True)
-            probs = sorted_logits.softmax(-1)
-            remove = probs.cumsum(-1) - probs > p  # keep the smallest prefix reaching p
-            row = row.masked_fill(torch.zeros_like(remove).scatter(0, idx, remove), float("-inf"))
-        probs = row.softmax(-1)
-        out[i] = torch.multinomial(probs, 1, generator=generators[i])[0]
-    return out
+    def forward(self, x: torch.Tensor, t: int, pos: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                cos: torch.Tensor, sin: torch.Tensor, qk_norm: torch.Tensor, mask: torch.Tensor | None,
+                eps: float) -> torch.Tensor:
+        """x [b * t, H]: row i * t + j is request i at position pos + j;
+        k_cache/v_cache [b, kv, G, D] (written at those positions); cos/sin
+        [t, 1, D] (sin signed for the half swap); qk_norm: :meth:`qk_norm_weight`;
+        mask [rep * t, pos + t] bool, True where a key is hidden, or None
+        (t == 1: every cached key is visible)."""
+        hidden = x.shape[1]
+        b = x.shape[0] // t
+        h, kv, d = self.heads, self.kv_heads, self.head_dim
+        rep = h // kv
+        qkv = F.linear(F.rms_norm(x, (hidden,), self.input_norm, eps), self.qkv)
+        qk = F.rms_norm(qkv[:, : (h + kv) * d].view(b, t, h + kv, d), (d,), None, eps) * qk_norm
+        # rotary: x * cos + rotate_half(x) * sin, rotate_half = the halves swapped (sign in ``sin``)
+        qk = torch.addcmul(qk * cos, qk.roll(d // 2, -1), sin)
+        k_cache.narrow(2, pos, t).copy_(qk[:, :, h:].transpose(1, 2))
+        v_cache.narrow(2, pos, t).copy_(qkv[:, (h + kv) * d :].view(b, t, kv, d).transpose(1, 2))
+        # the rep query heads of KV head j are its query rows: [b, kv, rep * t, D], no K/V copy.
+        # Plain matmuls, not scaled_dot_product_attention: torch's CPU flash kernel gives the
+        # batch's last row other bits at some key lengths (9, 11, 13, 15), which breaks batch invariance.
+        if t == 1:
+            q = qk[:, 0, :h].view(b, kv, rep, d)
+        else:
+            q = qk[:, :, :h].reshape(b, t, kv, rep, d).permute(0, 2, 3, 1, 4).reshape(b, kv, rep * t, d)
+        end = pos + t
+        scores = torch.matmul(q, k_cache.narrow(2, 0, end).transpose(-1, -2)) * d**-0.5
+        if mask is not None:
+            scores = scores.masked_fill(mask, float("-inf"))
+        out = torch.matmul(scores.softmax(-1), v_cache.narrow(2, 0, end))
+        if t == 1:
+            out = out.view(b, h * d)
+        else:
+            out = out.view(b, kv, rep, t, d).permute(0, 3, 1, 2, 4).reshape(b * t, h * d)
+        x = x + F.linear(out, self.o)
+        gu = F.linear(F.rms_norm(x, (hidden,), self.post_norm, eps), self.gate_up)
+        return x + F.linear(F.silu(gu[:, : self.inter]) * gu[:, self.inter :], self.down)
 
 
 class CodePredictor(nn.Module):
-    """Predicts codebooks 1..G-1 of a frame (see the module docstring)."""
+    """Predicts codebooks 1..G-1 of a frame (see the module docstring).
 
-    def __init__(self, config: Mapping) -> None:
+    max_bucket: the largest padded batch (larger batches run in chunks of
+    it; it sizes the KV cache buffer); compile: ``torch.compile`` the frame
+    function on CPU (off by default: compile time lands on the first call of
+    each bucket); cuda_graphs: capture each bucket's frame as a CUDA graph on
+    CUDA devices."""
+
+    def __init__(self, config: Mapping, *, max_bucket: int = 64, compile: bool = False,
+                 cuda_graphs: bool = True) -> None:
         super().__init__()
         hidden = int(config["hidden_size"])
         heads = int(config["num_attention_heads"])
         kv = int(config.get("num_key_value_heads") or heads)
         head_dim = int(config.get("head_dim") or hidden // heads)
-        eps = float(config.get("rms_norm_eps", 1e-6))
-        vocab = int(config["vocab_size"])
+        if heads % kv:
+            raise ValueError(f"num_attention_heads: {heads} is not a multiple of num_key_value_heads {kv}")
+        if head_dim % 2:
+            raise ValueError(f"head_dim: {head_dim} must be even (rotary halves)")
+        if max_bucket < 8 or max_bucket % 8:
+            raise ValueError(f"max_bucket: must be a positive multiple of 8, got {max_bucket}")
+        self.eps = float(config.get("rms_norm_eps", 1e-6))
+        self.vocab_size = int(config["vocab_size"])
         self.num_groups = int(config["num_code_groups"])
-        self.vocab_size = vocab
-        self.model = nn.Module()
-        self.model.codec_embedding = nn.ModuleList(nn.Embedding(vocab, hidden) for _ in range(self.num_groups - 1))
-        self.model.layers = nn.ModuleList(
-            _Layer(hidden, heads, kv, head_dim, int(config["intermediate_size"]), eps)
+        self.hidden_size, self.heads, self.kv_heads, self.head_dim = hidden, heads, kv, head_dim
+        self.intermediate_size = int(config["intermediate_size"])
+        self.max_bucket = int(max_bucket)
+        self.use_compile = bool(compile)
+        self.cuda_graphs = bool(cuda_graphs)
+        g1 = self.num_groups - 1
+        self.codec_embedding = nn.Parameter(torch.zeros(g1, self.vocab_size, hidden), requires_grad=False)
+        self.lm_head = nn.Parameter(torch.zeros(g1, self.vocab_size, hidden), requires_grad=False)
+        self.norm = nn.Parameter(torch.ones(hidden), requires_grad=False)
+        self.layers = nn.ModuleList(
+            _Layer(hidden, heads, kv, head_dim, self.intermediate_size)
             for _ in range(int(config["num_hidden_layers"]))
         )
-        self.model.norm = _RMSNorm(hidden, eps)
-        self.lm_head = nn.ModuleList(nn.Linear(hidden, vocab, bias=False) for _ in range(self.num_groups - 1))
         rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
         theta = float(rope.get("rope_theta", config.get("rope_theta", 10000.0)))
         inv = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).to(torch.float32) / head_dim))
-        pos = torch.arange(self.num_groups + 1, dtype=torch.float32)
-        freqs = torch.outer(pos, inv)
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("_cos", emb.cos(), persistent=False)
-        self.register_buffer("_sin", emb.sin(), persistent=False)
+        freqs = torch.outer(torch.arange(self.num_groups, dtype=torch.float32), inv)
+        self.register_buffer("_cos", torch.cat((freqs, freqs), dim=-1).cos()[:, None, :], persistent=False)
+        self.register_buffer("_sin", torch.cat((-freqs.sin(), freqs.sin()), dim=-1)[:, None, :], persistent=False)
+        rep = heads // kv
+        # the first pass's two positions: query row (r, i) sees keys 0..i (True: hidden)
+        mask = torch.arange(2)[None, :] > torch.arange(2).repeat(rep)[:, None]
+        self.register_buffer("_mask", mask, persistent=False)
+        self.register_buffer("_groups", group_keys(g1), persistent=False)
+        self._kv: torch.Tensor | None = None
+        self._graphs: _GraphRunner | None = None
+        self._compiled: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
+
+    # -- weights ---------------------------------------------------------------------
+    def released_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Every released tensor name (without the ``talker.code_predictor.``
+        prefix) with its shape."""
+        hid, d, h, kv, inter = self.hidden_size, self.head_dim, self.heads, self.kv_heads, self.intermediate_size
+        out: dict[str, tuple[int, ...]] = {}
+        for g in range(self.num_groups - 1):
+            out[f"model.codec_embedding.{g}.weight"] = (self.vocab_size, hid)
+            out[f"lm_head.{g}.weight"] = (self.vocab_size, hid)
+        out["model.norm.weight"] = (hid,)
+        for i in range(len(self.layers)):
+            p = f"model.layers.{i}."
+            out.update({
+                p + "input_layernorm.weight": (hid,), p + "post_attention_layernorm.weight": (hid,),
+                p + "self_attn.q_proj.weight": (h * d, hid), p + "self_attn.k_proj.weight": (kv * d, hid),
+                p + "self_attn.v_proj.weight": (kv * d, hid), p + "self_attn.o_proj.weight": (hid, h * d),
+                p + "self_attn.q_norm.weight": (d,), p + "self_attn.k_norm.weight": (d,),
+                p + "mlp.gate_proj.weight": (inter, hid), p + "mlp.up_proj.weight": (inter, hid),
+                p + "mlp.down_proj.weight": (hid, inter),
+            })
+        return out
 
     def load(self, tensors: Mapping[str, torch.Tensor], prefix: str = "talker.code_predictor.") -> None:
-        """Load by released names; every parameter must be present with its shape."""
-        own = dict(self.named_parameters())
+        """Load by released names and fuse; every tensor must be present with its shape."""
+        shapes = self.released_shapes()
+        w: dict[str, torch.Tensor] = {}
+        for name, shape in shapes.items():
+            key = prefix + name
+            if key not in tensors:
+                raise KeyError(f"{key}: missing from the checkpoint")
+            t = tensors[key]
+            if tuple(t.shape) != shape:
+                raise ValueError(f"{key}: shape {tuple(t.shape)} in the checkpoint, the model needs {shape}")
+            w[name] = t
         with torch.no_grad():
-            for name, p in own.items():
-                key = prefix + name
-                if key not in tensors:
-                    raise KeyError(f"{key}: missing from the checkpoint")
-                t = tensors[key]
-                if tuple(t.shape) != tuple(p.shape):
-                    raise ValueError(f"{key}: shape {tuple(t.shape)} in the checkpoint, the model needs {tuple(p.shape)}")
-                p.copy_(t.to(p.dtype))
+            for g in range(self.num_groups - 1):
+                self.codec_embedding[g].copy_(w[f"model.codec_embedding.{g}.weight"])
+                self.lm_head[g].copy_(w[f"lm_head.{g}.weight"])
+            self.norm.copy_(w["model.norm.weight"])
+            for i, layer in enumerate(self.layers):
+                p = f"model.layers.{i}."
+                layer.qkv.copy_(torch.cat([w[p + f"self_attn.{x}_proj.weight"].to(layer.qkv.device)
+                                           for x in "qkv"]))
+                layer.gate_up.copy_(torch.cat([w[p + f"mlp.{x}_proj.weight"].to(layer.gate_up.device)
+                                               for x in ("gate", "up")]))
+                for param, name in ((layer.o, "self_attn.o_proj"), (layer.down, "mlp.down_proj"),
+                                    (layer.q_norm, "self_attn.q_norm"), (layer.k_norm, "self_attn.k_norm"),
+                                    (layer.input_norm, "input_layernorm"),
+                                    (layer.post_norm, "post_attention_layernorm")):
+                    param.copy_(w[p + name + ".weight"])
+        self._graphs = None  # captured graphs read the weights in place, but start clean after a load
+
+    # -- buckets -----------------------------------------------------------------------
+    def row_tile(self) -> int:
+        """Padded batches are multiples of this (see :func:`row_tile`; 8 off CPU, a multiple of the
+        warp-sized tiles GPU kernels use)."""
+        if self.codec_embedding.device.type != "cpu":
+            return 8
+        hid, d, h, kv = self.hidden_size, self.head_dim, self.heads, self.kv_heads
+        shapes = [(hid, (h + 2 * kv) * d), (h * d, hid), (hid, 2 * self.intermediate_size),
+                  (self.intermediate_size, hid), (hid, self.vocab_size)]
+        tile = row_tile(sorted(set(shapes)), 2 * self.max_bucket)  # the first pass has 2 rows a request
+        return tile if self.max_bucket % tile == 0 else self.max_bucket
+
+    def bucket(self, n: int) -> int:
+        """The padded row count for a batch of n (n <= max_bucket)."""
+        tile = self.row_tile()
+        return min(self.max_bucket, -(-max(n, 1) // tile) * tile)
+
+    def _kv_cache(self, rows: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per layer (k, v) [rows, kv, G, D] views of one buffer for max_bucket rows."""
+        w = self.codec_embedding
+        if self._kv is None or self._kv.device != w.device or self._kv.dtype != w.dtype:
+            self._kv = torch.empty((len(self.layers), 2, self.max_bucket, self.kv_heads, self.num_groups,
+                                    self.head_dim), dtype=w.dtype, device=w.device)
+        return [(self._kv[i, 0, :rows], self._kv[i, 1, :rows]) for i in range(len(self.layers))]
+
+    # -- the frame ---------------------------------------------------------------------
+    def _frame(self, x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+               seed: torch.Tensor, frame: torch.Tensor, candidates: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The 15 passes of one frame, static shapes: x [b, 2, H] (last hidden,
+        code-0 embedding), sampling [b] (seed [b, 2]). Returns codes [b, G-1]
+        and the sum of their embeddings [b, H]."""
+        b, _, hidden = x.shape
+        kv = self._kv_cache(b)
+        qk_norms = [layer.qk_norm_weight() for layer in self.layers]
+        sampler = plan(temperature, top_k, top_p, candidates, self.vocab_size) if candidates else None
+        u = uniforms(seed, frame, self._groups) if candidates else None
+        codes: list[torch.Tensor] = []
+        embed_sum: torch.Tensor | None = None
+        h, t, pos = x.reshape(b * 2, hidden), 2, 0  # the first pass: both positions of each request
+        for g in range(self.num_groups - 1):
+            cos, sin = self._cos[pos : pos + t], self._sin[pos : pos + t]
+            mask = self._mask if t > 1 else None
+            for layer, (kc, vc), qk_norm in zip(self.layers, kv, qk_norms, strict=True):
+                h = layer(h, t, pos, kc, vc, cos, sin, qk_norm, mask, self.eps)
+            last = h if t == 1 else h.view(b, t, hidden)[:, -1]
+            pos += t
+            logits = F.linear(F.rms_norm(last, (hidden,), self.norm, self.eps), self.lm_head[g])
+            if sampler is None or u is None:
+                code = logits.argmax(-1)
+            else:
+                code = draw(logits.float(), sampler, u[:, g])
+            codes.append(code)
+            h = F.embedding(code, self.codec_embedding[g])
+            embed_sum = h if embed_sum is None else embed_sum + h
+            t = 1
+        assert embed_sum is not None
+        return torch.stack(codes, dim=1), embed_sum
+
+    def _graphed(self, device: torch.device) -> bool:
+        """Whether frames on ``device`` replay captured CUDA graphs."""
+        return device.type == "cuda" and self.cuda_graphs
+
+    def _run_bucket(self, x: torch.Tensor, s: SamplingBatch, lo: int, hi: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Rows lo..hi-1, padded to their bucket with zero greedy rows."""
+        n = hi - lo
+        pad = self.bucket(n) - n
+        args = [x[lo:hi], s.temperature[lo:hi], s.top_k[lo:hi], s.top_p[lo:hi], s.seed[lo:hi], s.frame[lo:hi]]
+        if pad:
+            args = [F.pad(a, (0, 0) * (a.dim() - 1) + (0, pad)) for a in args]
+        dev = x.device
+        if self._graphed(dev):
+            if self._graphs is None:
+                self._kv_cache(self.max_bucket)  # allocated once, before any capture
+                self._graphs = _GraphRunner(self._frame)
+            codes, embed_sum = self._graphs.run((args[0].shape[0], s.candidates), args, s.candidates)
+        elif self.use_compile and dev.type == "cpu":
+            if self._compiled is None:
+                self._compiled = torch.compile(self._frame, dynamic=False)
+            codes, embed_sum = self._compiled(*args, s.candidates)
+        else:
+            codes, embed_sum = self._frame(*args, s.candidates)
+        return codes[:n], embed_sum[:n]
 
     @torch.inference_mode()
-    def predict(
-        self,
-        last_hidden: torch.Tensor,
-        code0_embed: torch.Tensor,
-        *,
-        temperature: Sequence[float],
-        top_k: Sequence[int],
-        top_p: Sequence[float],
-        generators: Sequence[torch.Generator | None],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """last_hidden, code0_embed: [n, H]. Returns (codes [n, G-1] int64,
-        the sum of the residual codes' embeddings [n, H]) -- the talker adds
-        that sum to the next step's input."""
+    def predict(self, last_hidden: torch.Tensor, code0_embed: torch.Tensor,
+                sampling: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
+        """last_hidden, code0_embed: [n, H]; sampling: n rows. Returns (codes
+        [n, G-1] int64, the sum of the residual codes' embeddings [n, H]) --
+        the talker adds that sum to the next step's input."""
         n = last_hidden.shape[0]
-        dtype = self._cos.dtype
-        x = torch.stack((last_hidden.to(dtype), code0_embed.to(dtype)), dim=1)  # [n, 2, H]
-        caches: list[list[torch.Tensor]] = [[] for _ in self.model.layers]
-        codes = torch.empty((n, self.num_groups - 1), dtype=torch.int64, device=x.device)
-        embed_sum = torch.zeros((n, x.shape[-1]), dtype=dtype, device=x.device)
-        pos = 0
-        for g in range(self.num_groups - 1):
-            t = x.shape[1]
-            cos, sin = self._cos[pos : pos + t], self._sin[pos : pos + t]
-            h = x
-            for layer, cache in zip(self.model.layers, caches, strict=True):
-                h = layer(h, cos, sin, cache)
-            pos += t
-            logits = self.lm_head[g](self.model.norm(h[:, -1]))
-            code = sample_rows(logits.float(), temperature, top_k, top_p, generators)
-            codes[:, g] = code
-            emb = self.model.codec_embedding[g](code)
-            embed_sum += emb
-            x = emb[:, None, :]
-        return codes, embed_sum
+        if len(sampling) != n:
+            raise ValueError(f"sampling: {len(sampling)} rows for {n} hidden rows")
+        dtype = self.codec_embedding.dtype
+        if n == 0:
+            return (torch.empty((0, self.num_groups - 1), dtype=torch.int64, device=last_hidden.device),
+                    torch.empty((0, self.hidden_size), dtype=dtype, device=last_hidden.device))
+        x = torch.stack((last_hidden.to(dtype), code0_embed.to(dtype)), dim=1)
+        if n <= self.max_bucket:
+            return self._run_bucket(x, sampling, 0, n)
+        parts = [self._run_bucket(x, sampling, lo, min(n, lo + self.max_bucket))
+                 for lo in range(0, n, self.max_bucket)]
+        return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+# -- CUDA graphs ---------------------------------------------------------------------
+
+
+class _CudaGraph:
+    """One captured ``torch.cuda.CUDAGraph`` (warm-up on a side stream first:
+    lazy library handles and allocations must not happen during capture)."""
+
+    def __init__(self, pool: Any) -> None:
+        self.graph = torch.cuda.CUDAGraph()
+        self.pool = pool
+
+    def capture(self, fn: Callable[[], tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, ...]:
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            fn()
+        torch.cuda.current_stream().wait_stream(stream)
+        with torch.cuda.graph(self.graph, pool=self.pool):
+            return fn()
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+class _GraphRunner:
+    """The frame captured once per (bucket, candidates) and replayed.
+
+    Inputs are copied into the entry's static buffers before each replay;
+    outputs live in the graph's memory and are cloned before they are
+    returned (the next replay overwrites them). The KV cache buffer is the
+    predictor's own (allocated before the first capture, never reallocated
+    while graphs hold it). ``make_graph`` is a seam for tests (a fake graph
+    that re-runs the function on the same buffers)."""
+
+    def __init__(self, frame: Callable[..., tuple[torch.Tensor, torch.Tensor]],
+                 make_graph: Callable[[Any], Any] | None = None) -> None:
+        self.frame = frame
+        self.make_graph = make_graph  # None: CUDA graphs sharing one memory pool
+        self.pool: Any = None
+        self.entries: dict[tuple[int, int], tuple[Any, list[torch.Tensor], tuple[torch.Tensor, ...]]] = {}
+
+    def run(self, key: tuple[int, int], args: Sequence[torch.Tensor],
+            candidates: int) -> tuple[torch.Tensor, torch.Tensor]:
+        entry = self.entries.get(key)
+        if entry is None:
+            if self.make_graph is None:
+                if self.pool is None:
+                    self.pool = torch.cuda.graph_pool_handle()
+                graph = _CudaGraph(self.pool)
+            else:
+                graph = self.make_graph(self.pool)
+            static = [a.clone() for a in args]
+            outputs = graph.capture(lambda: self.frame(*static, candidates))
+            entry = self.entries[key] = (graph, static, outputs)
+        graph, static, outputs = entry
+        for dst, src in zip(static, args, strict=True):
+            dst.copy_(src)
+        graph.replay()
+        codes, embed_sum = outputs
+        return codes.clone(), embed_sum.clone()

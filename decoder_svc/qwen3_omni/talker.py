@@ -15,7 +15,8 @@ arriving while the request runs (a request started from the first chunk of
 the thinker's reply: :class:`TalkerRequestState` ``complete`` False).
 
 Per-request state (text queue, residual embedding sum, generated codes for
-the repetition penalty, the code predictor's sampling settings) lives here,
+the repetition penalty, the code predictor's sampling settings, seed and
+frame count) lives here,
 keyed by the request id the caller gave vLLM; rows are mapped to requests
 through the model runner's batch (``bind_runner``).
 
@@ -35,7 +36,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .code_predictor import CodePredictor
+from .code_predictor import CodePredictor, SamplingBatch
 
 __all__ = [
     "TALKER_ARCH",
@@ -98,7 +99,15 @@ class TalkerRequestState:
     temperature: float = 0.0  # code predictor
     top_k: int = 0
     top_p: float = 1.0
-    generator: torch.Generator | None = None
+    seed: int = 0  # the request's seed (unsigned 64-bit): the code predictor's noise key
+    # Frames whose residual codes were predicted: the frame index of the code
+    # predictor's counter-based noise, keyed by (seed, frame, codebook). It
+    # counts frames, not steps or batch rows, so the draws never depend on the
+    # batch. Under preemption with recompute, vLLM re-prefills the tokens
+    # already sampled without sampling them again, so no frame is predicted
+    # twice and the counter resumes where it stopped; a state rebuilt from
+    # scratch sets it to the number of frames the request already emitted.
+    frames: int = 0
     residual_sum: torch.Tensor | None = None  # [H]: residual codes of the last frame
     seen: set[int] = field(default_factory=set)  # codebook-0 ids sampled so far
     seen_ids: torch.Tensor | None = None  # the same ids as a tensor, for the repetition penalty
@@ -144,19 +153,22 @@ def sampled_frame_codes(
     idx = torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True)
     sts = [states[i] for i in rows]
     emb0 = talker.model.codec_embedding(code0_device.index_select(0, idx))
-    residual, embed_sum = cp.predict(
-        last_hidden.index_select(0, idx),
-        emb0,
+    sampling = SamplingBatch.build(
         temperature=[s.temperature for s in sts],
         top_k=[s.top_k for s in sts],
         top_p=[s.top_p for s in sts],
-        generators=[s.generator for s in sts],
+        seed=[s.seed for s in sts],
+        frame=[s.frames for s in sts],
+        vocab_size=cp.vocab_size,
+        device=dev,
     )
+    residual, embed_sum = cp.predict(last_hidden.index_select(0, idx), emb0, sampling)
     codes[idx, 1:] = residual
     seen_device = talker._suppress.device
     with talker.states_lock:
         for j, (i, st) in enumerate(zip(rows, sts, strict=True)):
             st.residual_sum = embed_sum[j]
+            st.frames += 1
             token = ids[i]
             if token not in st.seen:  # the tensor changes only when a new id appears
                 st.seen.add(token)

@@ -1,0 +1,213 @@
+"""GPU checks that need torch and this repository only (no vLLM, no network,
+no pytest), for a lent GPU whose image has a CUDA build of torch:
+
+    python scripts/gpu_check_torch.py [--only NAME[,NAME]] [--widths tiny,released]
+
+Each check prints PASS or FAIL with what differed; the exit status is 1 if
+any failed, 2 if CUDA is not available. Together well under 5 minutes.
+
+Checks:
+- ``predictor-graph-replay``: the code predictor captured as one CUDA graph
+  per (bucket, candidate count) gives, on replay, the codes and embedding sums
+  of the same frame run eagerly on the device (bitwise), for greedy and
+  sampled rows at several buckets; a second replay with other inputs gives
+  its own eager result (the static buffers are refilled, the outputs copied).
+- ``predictor-seeded-sampler``: the counter-based noise on the device equals
+  the CPU's (the integer hash is exact on both); a seeded request gives the
+  same codes when replayed again (no generator state advances), and alone or
+  among other rows of the same bucket; another frame index draws other codes.
+  Across buckets (alone vs in a batch of 64) equality is reported, not
+  required: cuBLAS may pick another kernel for another row count.
+- ``predictor-timing``: eager vs replay per frame at batch 64 (reported only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+from decoder_svc.qwen3_omni.code_predictor import CodePredictor, SamplingBatch, group_keys, uniforms  # noqa: E402
+
+TINY = {"vocab_size": 2048, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64, "num_code_groups": 16,
+        "rope_parameters": {"rope_theta": 1_000_000.0}, "rms_norm_eps": 1e-6}
+RELEASED = {"vocab_size": 2048, "hidden_size": 1024, "intermediate_size": 3072, "num_hidden_layers": 5,
+            "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "num_code_groups": 16,
+            "rope_parameters": {"rope_theta": 1_000_000.0}, "rms_norm_eps": 1e-6}
+WIDTHS = {"tiny": TINY, "released": RELEASED}
+
+
+class CheckFailed(AssertionError):
+    pass
+
+
+def expect(ok: bool, what: str) -> None:
+    if not ok:
+        raise CheckFailed(what)
+
+
+def predictors(cfg: dict, device: torch.device, seed: int = 0) -> tuple[CodePredictor, CodePredictor]:
+    """(graphs, eager): the same random weights on the device."""
+    gen = torch.Generator().manual_seed(seed)
+    graphs = CodePredictor(cfg, cuda_graphs=True)
+    with torch.no_grad():
+        for name, p in graphs.named_parameters():
+            if p.dim() == 1:
+                p.copy_(1.0 + 0.1 * torch.randn(p.shape, generator=gen))
+            else:
+                std = 0.5 if name == "codec_embedding" else 1.5 * p.shape[-1] ** -0.5
+                p.copy_(torch.randn(p.shape, generator=gen) * std)
+    eager = CodePredictor(cfg, cuda_graphs=False)
+    eager.load_state_dict(graphs.state_dict())
+    return graphs.to(device), eager.to(device)
+
+
+def rows(n: int, device: torch.device, seed: int, hidden: int, greedy_every: int = 4, top_k0_every: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, hidden, generator=gen).to(device)
+    e = (torch.randn(n, hidden, generator=gen) * 0.5).to(device)
+    s = SamplingBatch.build(
+        temperature=[0.0 if greedy_every and i % greedy_every == greedy_every - 1 else 0.9 for i in range(n)],
+        top_k=[0 if top_k0_every and i % top_k0_every == 0 else 50 for i in range(n)],
+        top_p=[0.8] * n, seed=[7919 * i + seed for i in range(n)], frame=[i % 5 for i in range(n)],
+        vocab_size=2048, device=device)
+    return h, e, s
+
+
+def check_graph_replay(cfg: dict, device: torch.device, batches: tuple[int, ...] = (1, 7, 16, 40, 64)) -> str:
+    graphs, eager = predictors(cfg, device)
+    notes = []
+    for n in batches:
+        for greedy_every, top_k0 in ((1, 0), (4, 0), (4, 5)):
+            h, e, s = rows(n, device, seed=n, hidden=cfg["hidden_size"], greedy_every=greedy_every,
+                           top_k0_every=top_k0)
+            want_codes, want_sum = eager.predict(h, e, s)
+            got_codes, got_sum = graphs.predict(h, e, s)
+            torch.cuda.synchronize()
+            what = f"batch {n}, candidates {s.candidates}"
+            expect(torch.equal(got_codes, want_codes),
+                   f"{what}: replay codes differ in {int((got_codes != want_codes).any(1).sum())} rows")
+            expect(torch.equal(got_sum, want_sum),
+                   f"{what}: replay embedding sums differ by {(got_sum - want_sum).abs().max().item():.3g}")
+        # a second replay of the same graphs with other inputs: its own eager result
+        h, e, s = rows(n, device, seed=1000 + n, hidden=cfg["hidden_size"])
+        expect(torch.equal(graphs.predict(h, e, s)[0], eager.predict(h, e, s)[0]),
+               f"batch {n}: the second replay's codes differ from eager (stale static buffers?)")
+    runner = graphs._graphs
+    expect(runner is not None and len(runner.entries) >= 3, "graphs were captured")
+    notes.append(f"{len(runner.entries)} graphs captured (bucket, candidates): {sorted(runner.entries)}")
+    return "; ".join(notes)
+
+
+def check_seeded_sampler(cfg: dict, device: torch.device, batches: tuple[int, ...] = (7, 8, 64)) -> str:
+    n = 64
+    seeds = [0, 1, 2**32 + 3, 2**64 - 1] + list(range(100, 100 + n - 4))
+    frames = list(range(n))
+    s = SamplingBatch.build(temperature=[1.0] * n, top_k=[50] * n, top_p=[0.8] * n, seed=seeds, frame=frames,
+                            vocab_size=2048, device=device)
+    u_dev = uniforms(s.seed, s.frame, group_keys(15, device)).cpu()
+    c = SamplingBatch.build(temperature=[1.0] * n, top_k=[50] * n, top_p=[0.8] * n, seed=seeds, frame=frames,
+                            vocab_size=2048)
+    u_cpu = uniforms(c.seed, c.frame, group_keys(15))
+    expect(torch.equal(u_dev, u_cpu), "the device's noise differs from the CPU's")
+
+    graphs, _ = predictors(cfg, device, seed=3)
+    hid = cfg["hidden_size"]
+    gen = torch.Generator().manual_seed(4)
+    x, e0 = torch.randn(1, hid, generator=gen).to(device), (torch.randn(1, hid, generator=gen) * 0.5).to(device)
+
+    def one(frame: int) -> torch.Tensor:
+        b = SamplingBatch.build(temperature=[1.0], top_k=[50], top_p=[0.8], seed=[2**40 + 9], frame=[frame],
+                                vocab_size=2048, device=device)
+        return graphs.predict(x, e0, b)[0][0]
+
+    alone = one(0)
+    expect(torch.equal(one(0), alone), "the same seeded frame replayed again drew other codes")
+    expect(not torch.equal(one(1), alone), "another frame index drew the same 15 codes")
+    notes = []
+    for n in batches:
+        at = n // 2
+        h, e, s = rows(n, device, seed=50 + n, hidden=hid)
+        h[at], e[at] = x[0], e0[0]
+        temps, top_k = s.temperature.clone(), s.top_k.clone()
+        temps[at], top_k[at] = 1.0, 50
+        seed, frame = s.seed.clone(), s.frame.clone()
+        seed[at] = torch.tensor([9, 2**8], device=device)  # 2**40 + 9 as (low, high) words
+        frame[at] = 0
+        b = SamplingBatch(temperature=temps, top_k=top_k, top_p=s.top_p, seed=seed, frame=frame,
+                          candidates=s.candidates)
+        codes = graphs.predict(h, e, b)[0]
+        same = torch.equal(codes[at], alone)
+        if graphs.bucket(n) == graphs.bucket(1):
+            expect(same, f"batch {n} (same bucket as alone), row {at}: {codes[at].tolist()} vs {alone.tolist()}")
+        else:
+            notes.append(f"batch {n} (bucket {graphs.bucket(n)} vs {graphs.bucket(1)} alone): codes "
+                         f"{'equal' if same else 'differ'}")
+    return "; ".join(notes)
+
+
+def check_timing(cfg: dict, device: torch.device) -> str:
+    graphs, eager = predictors(cfg, device, seed=5)
+    h, e, s = rows(64, device, seed=6, hidden=cfg["hidden_size"])
+    out = []
+    for name, model in (("eager", eager), ("graph replay", graphs)):
+        for _ in range(3):
+            model.predict(h, e, s)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(20):
+            model.predict(h, e, s)
+        torch.cuda.synchronize()
+        out.append(f"{name} {(time.perf_counter() - t0) / 20 * 1e3:.2f} ms/frame")
+    return "batch 64: " + ", ".join(out)
+
+
+CHECKS: dict[str, Callable[[dict, torch.device], str]] = {
+    "predictor-graph-replay": check_graph_replay,
+    "predictor-seeded-sampler": check_seeded_sampler,
+    "predictor-timing": check_timing,
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--only", default="", help=f"comma-separated checks (default all: {', '.join(CHECKS)})")
+    p.add_argument("--widths", default="tiny,released", help="comma-separated: tiny, released")
+    args = p.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gpu_check_torch: CUDA is not available to this torch", file=sys.stderr)
+        return 2
+    names = [n for n in args.only.split(",") if n] or list(CHECKS)
+    for n in names:
+        if n not in CHECKS:
+            p.error(f"--only: unknown check {n!r} (choices: {', '.join(CHECKS)})")
+    widths = [w for w in args.widths.split(",") if w]
+    for w in widths:
+        if w not in WIDTHS:
+            p.error(f"--widths: unknown {w!r} (choices: {', '.join(WIDTHS)})")
+    device = torch.device("cuda", torch.cuda.current_device())
+    print(f"gpu_check_torch: torch {torch.__version__}, {torch.cuda.get_device_name(device)}")
+    torch.backends.cuda.matmul.allow_tf32 = False  # float32 products, as the services run them
+    failed = 0
+    for name in names:
+        for w in widths:
+            t0 = time.perf_counter()
+            try:
+                note = CHECKS[name](WIDTHS[w], device)
+                print(f"PASS {name} [{w}] ({time.perf_counter() - t0:.1f}s){': ' + note if note else ''}")
+            except CheckFailed as exc:
+                failed += 1
+                print(f"FAIL {name} [{w}]: {exc}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
