@@ -1,4 +1,11 @@
-"""DecoderService servicer: protobuf <-> domain, nothing else."""
+"""DecoderService servicer: protobuf <-> domain, nothing else.
+
+Errors: an `OmniError` ends a call with the code `grpc_code_for` gives and
+its own (short, written for the client) message. Any other exception that
+reaches a handler is a bug of ours, a ValueError or KeyError included: the
+call ends with INTERNAL and a message naming an error id, under which the
+traceback is logged (`log_internal`); its text never reaches the client.
+"""
 
 from __future__ import annotations
 
@@ -14,7 +21,13 @@ from decoder_svc.backend import RequestSpec
 from decoder_svc.lengths import DeploymentSettings
 from decoder_svc.pipeline import Pipeline
 from decoder_svc.requests import Sink
-from omni_common.errors import InvalidArgumentError, OmniError, UnavailableError, grpc_code_for
+from omni_common.errors import (
+    InvalidArgumentError,
+    OmniError,
+    UnavailableError,
+    grpc_code_for,
+    log_internal,
+)
 from omni_common.modality import OutputModality
 from omni_common.tensor_wire import encode_inline
 from omni_serving.v1 import common_pb2, decoder_pb2, decoder_pb2_grpc
@@ -129,6 +142,9 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             await asyncio.to_thread(self.pipeline.submit, spec, sink)
         except OmniError as exc:
             await context.abort(grpc_code_for(exc), str(exc))
+            return
+        except Exception as exc:  # noqa: BLE001  a bug: INTERNAL, traceback logged under an error id
+            await context.abort(grpc.StatusCode.INTERNAL, log_internal(logger, "Generate", exc))
             return
         finished = False
         self._streams[spec.request_id] = sink

@@ -11,8 +11,10 @@ Invariants:
   ``{"error": {"message", "type", "param", "code"}}``. For an exception the
   HTTP status comes from the gRPC code `grpc_code_for` gives (one mapping,
   `_HTTP_STATUS`), and the message from `public_message` (bounded,
-  sanitized); a 500 carries the generic `INTERNAL_MESSAGE` unless the error
-  is one of ours, and its traceback is logged.
+  sanitized); a 500 carries the generic internal message with an error id
+  (`log_internal`: the traceback is logged under the same id) unless the
+  error is one of ours. A plain ValueError / TypeError / KeyError is a bug,
+  a 500, never a 400.
 * ``param`` is the field as the client spelled it (`http_param` renames the
   engine's and decoder's field names).
 * A WebSocket route declares itself as a `WebSocketRoute` (its path and
@@ -37,10 +39,10 @@ from aiohttp import web
 from gateway.decoder_client import DecoderInfo
 from gateway.validation import json_type_name
 from omni_common.errors import (
-    INTERNAL_MESSAGE,
     InvalidArgumentError,
     OmniError,
     grpc_code_for,
+    log_internal,
     public_message,
     quote_value,
 )
@@ -126,9 +128,12 @@ def error_body(
     code = grpc_code_for(exc)
     status, type_ = _HTTP_STATUS.get(code, (500, "server_error"))
     if status == 500:
-        logger.error("HTTP request failed", exc_info=exc)
         code = grpc.StatusCode.INTERNAL
-        message = public_message(exc) if isinstance(exc, OmniError) else INTERNAL_MESSAGE
+        if isinstance(exc, OmniError):
+            logger.error("HTTP request failed", exc_info=exc)
+            message = public_message(exc)
+        else:
+            message = log_internal(logger, "HTTP request", exc)
     else:
         logger.info("HTTP request refused: %s: %s", code.name, exc)
         message = public_message(exc)

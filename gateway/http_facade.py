@@ -70,8 +70,8 @@ from gateway.http_speech import SpeechEndpoint
 from gateway.http_ws import SpeechStreamEndpoint
 from gateway.servicer import CLIENT_ERRORS
 from omni_common.errors import (
-    INTERNAL_MESSAGE,
     FailedPreconditionError,
+    log_internal,
     public_message,
     quote_value,
 )
@@ -240,11 +240,9 @@ async def _openai_errors(request: web.Request, handler) -> web.StreamResponse:  
             param=None,
             code=exc.reason.lower().replace(" ", "_"),
         )
-    except Exception as exc:  # noqa: BLE001  a bug: traceback logged, generic 500
-        logger.error("%s %s failed", request.method, request.path, exc_info=exc)
-        return error_response(
-            500, INTERNAL_MESSAGE, type_="server_error", param=None, code="internal"
-        )
+    except Exception as exc:  # noqa: BLE001  a bug: traceback logged under an error id, generic 500
+        message = log_internal(logger, f"{request.method} {request.path}", exc)
+        return error_response(500, message, type_="server_error", param=None, code="internal")
 
 
 __all__ = ["CLIENT_CLOSED_STATUS", "HttpFacade"]

@@ -3,9 +3,10 @@
 Errors: every exception the domain raises for a client (`OmniError`, and a
 decoder `RpcError` should one escape) is mapped by `grpc_code_for` and ends
 the call with `context.abort(code, public_message(exc))`: a bounded,
-sanitized message. Any other exception is a bug: its traceback is logged
-and the client gets INTERNAL with a generic message (never UNKNOWN, never
-the exception's text). A request that does not parse never reaches these
+sanitized message. Any other exception is a bug (a ValueError or KeyError
+of ours included): its traceback is logged under an error id and the
+client gets INTERNAL with a generic message naming that id (never UNKNOWN,
+never the exception's text; `omni_common.errors.log_internal`). A request that does not parse never reaches these
 methods (`MalformedRequestInterceptor` answers it with INVALID_ARGUMENT).
 A cancelled call raises `asyncio.CancelledError` through the handler;
 closing the engine's stream (``aclosing``) sends `Abort` to the decoder.
@@ -29,7 +30,7 @@ from gateway.validation import (
     generation_request_from_pb,
     speech_request_from_pb,
 )
-from omni_common.errors import INTERNAL_MESSAGE, OmniError, grpc_code_for, public_message
+from omni_common.errors import OmniError, grpc_code_for, log_internal, public_message
 from omni_serving.v1 import gateway_pb2, gateway_pb2_grpc, payload_pb2
 
 logger = logging.getLogger(__name__)
@@ -136,9 +137,11 @@ async def _abort(
         grpc.StatusCode.UNKNOWN,
     ):
         code = grpc.StatusCode.INTERNAL
-    if code is grpc.StatusCode.INTERNAL:
+    if code is grpc.StatusCode.INTERNAL and not isinstance(exc, OmniError):
+        message = log_internal(logger, api, exc)
+    elif code is grpc.StatusCode.INTERNAL:
         logger.error("%s failed", api, exc_info=exc)
-        message = public_message(exc) if isinstance(exc, OmniError) else INTERNAL_MESSAGE
+        message = public_message(exc)
     else:
         logger.info("%s refused: %s: %s", api, code.name, exc)
         message = public_message(exc)

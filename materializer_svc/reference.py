@@ -4,7 +4,9 @@ The servicer is thin: it opens a `StreamSession` from the first message,
 hands each snapshot to `StreamSession.materialize` on a worker thread (the
 readiness wait and the copies block), and yields the answers in arrival
 order. A bad step is a StepError in the stream; only a broken stream
-protocol (no `open` first, `open` twice) ends the call.
+protocol (no `open` first, `open` twice) ends the call. A bug that escapes
+the stream loop ends it with INTERNAL and an error id (the traceback is
+logged under it), never with the exception's text.
 
 Subclasses change the strategy by overriding `answers` (see pool.py).
 
@@ -38,7 +40,7 @@ import grpc
 
 from materializer_svc.registry import MaterializerConfig, register
 from materializer_svc.session import MaterializerCounters, StreamSession, session_from_first
-from omni_common.errors import InvalidArgumentError, OmniError, grpc_code_for
+from omni_common.errors import InvalidArgumentError, OmniError, grpc_code_for, log_internal
 from omni_common.shm_arena import ArenaReader, probe_arena
 from omni_serving.v1 import materializer_pb2, materializer_pb2_grpc, snapshot_pb2
 
@@ -152,6 +154,10 @@ class ReferenceMaterializer(materializer_pb2_grpc.MaterializerServiceServicer):
             self.counters.streams_refused += 1
             await context.abort(grpc_code_for(exc), str(exc))
             return
+        except Exception as exc:  # noqa: BLE001  a bug: INTERNAL, traceback logged under an error id
+            self.counters.streams_refused += 1
+            await context.abort(grpc.StatusCode.INTERNAL, log_internal(logger, "opening a stream", exc))
+            return
         assert first is not None
         stream = _OpenStream(first.open.contract_version or 1, session.client_name)
         self.counters.streams_opened += 1
@@ -164,6 +170,7 @@ class ReferenceMaterializer(materializer_pb2_grpc.MaterializerServiceServicer):
             stream.contract_version,
         )
         protocol_error: OmniError | None = None
+        internal: str | None = None  # a bug's message for the client (an error id)
         grace_over = False
         requests = it if stream.contract_version >= 2 else self._until_drain(it, stream)
         answers = aiter(self.answers(session, requests))
@@ -212,6 +219,8 @@ class ReferenceMaterializer(materializer_pb2_grpc.MaterializerServiceServicer):
         except asyncio.CancelledError:
             self.counters.streams_cancelled += 1
             raise
+        except Exception as exc:  # noqa: BLE001  a bug: INTERNAL, traceback logged under an error id
+            internal = log_internal(logger, f"stream from {stream.client_name!r}", exc)
         finally:
             if pending is not None and not pending.done():
                 pending.cancel()
@@ -224,6 +233,8 @@ class ReferenceMaterializer(materializer_pb2_grpc.MaterializerServiceServicer):
             self._track(stream, opened=False)
         if protocol_error is not None:
             await context.abort(grpc_code_for(protocol_error), str(protocol_error))
+        elif internal is not None:
+            await context.abort(grpc.StatusCode.INTERNAL, internal)
         elif grace_over:
             logger.warning("stream from %r ended: drain grace period over", stream.client_name)
             await context.abort(

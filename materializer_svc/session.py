@@ -33,6 +33,7 @@ from omni_common.errors import (
     InvalidArgumentError,
     OmniError,
     grpc_code_for,
+    log_internal,
 )
 from omni_common.materialize import (
     StepView,
@@ -135,11 +136,19 @@ def releases_of(snap: snapshot_pb2.StepSnapshot) -> list[materializer_pb2.SlotRe
 def error_response(
     snap: snapshot_pb2.StepSnapshot, exc: BaseException
 ) -> materializer_pb2.MaterializeResponse:
-    """The in-band answer for a step that failed; logs a traceback only for INTERNAL."""
+    """The in-band answer for a step that failed; logs a traceback only for INTERNAL.
+
+    A bug (any exception not an `OmniError`: a ValueError of ours too) is
+    INTERNAL with a message naming the error id its traceback is logged
+    under, never the exception's text."""
     code = grpc_code_for(exc)
-    if code == grpc.StatusCode.INTERNAL:
-        logger.error("step %d of stage %d failed", snap.step_id, snap.stage_id, exc_info=exc)
-    message = str(exc) or type(exc).__name__
+    what = f"step {snap.step_id} of stage {snap.stage_id}"
+    if not isinstance(exc, OmniError):
+        message = log_internal(logger, what, exc)
+    else:
+        if code == grpc.StatusCode.INTERNAL:
+            logger.error("%s failed", what, exc_info=exc)
+        message = str(exc) or type(exc).__name__
     return materializer_pb2.MaterializeResponse(
         error=materializer_pb2.StepError(
             step_id=snap.step_id,

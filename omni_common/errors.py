@@ -4,6 +4,14 @@ Every error a client can cause names the offending field. `grpc_code_for`
 is the single place that decides which gRPC status code an exception gets;
 servicers call it instead of choosing codes themselves.
 
+Only our own classes say "the client is at fault": `InvalidArgumentError`
+and `NotFoundError` derive from `OmniError` alone (not `ValueError` or
+`LookupError`), so a validation that is meant for a client must raise them,
+naming the field. A plain `ValueError`, `TypeError` or `KeyError` (from
+numpy, a dict, our own code) is a bug: it maps to INTERNAL, and
+`log_internal` logs its traceback under a fresh error id that the client's
+message names, with nothing of the exception's own text.
+
 `public_message` is the single place that decides what text a client sees
 for an exception: bounded in length, one line, with socket addresses, file
 paths and Python type names taken out (they stay in the server's log).
@@ -13,7 +21,9 @@ short prefix of it.
 
 from __future__ import annotations
 
+import logging
 import re
+import uuid
 
 import grpc
 
@@ -22,7 +32,8 @@ MAX_MESSAGE_CHARS = 512
 MAX_QUOTED_CHARS = 40
 """Longest prefix of a client's value quoted back in an error message."""
 INTERNAL_MESSAGE = "internal error; the server log has the details"
-"""What a client is told about a failure that is not its mistake and not a known condition."""
+"""What a client is told about a failure that is not its mistake and not a known condition
+(`internal_message` adds the error id under which the server logged it)."""
 
 
 class OmniError(Exception):
@@ -31,8 +42,12 @@ class OmniError(Exception):
     code: grpc.StatusCode = grpc.StatusCode.INTERNAL
 
 
-class InvalidArgumentError(OmniError, ValueError):
-    """A request field is malformed. The message names the field."""
+class InvalidArgumentError(OmniError):
+    """A request field is malformed. The message names the field.
+
+    Not a `ValueError`: code that catches ValueError (around int(), json,
+    numpy) does not swallow a client error, and a ValueError of ours is
+    never taken for one."""
 
     code = grpc.StatusCode.INVALID_ARGUMENT
 
@@ -41,8 +56,9 @@ class InvalidArgumentError(OmniError, ValueError):
         self.field = field
 
 
-class NotFoundError(OmniError, LookupError):
-    """A named thing (request, region, voice) does not exist."""
+class NotFoundError(OmniError):
+    """A named thing (request, region, voice) does not exist (not a `LookupError`:
+    a `KeyError` from a dict of ours is a bug, not a missing thing)."""
 
     code = grpc.StatusCode.NOT_FOUND
 
@@ -98,9 +114,11 @@ class AlreadyExistsError(OmniError):
 def grpc_code_for(exc: BaseException) -> grpc.StatusCode:
     """Map an exception to the gRPC status code a client should see.
 
-    Our own errors carry their code. Plain Python errors that mean "the input
-    is wrong" map to client codes; anything else is INTERNAL (the only code
-    whose traceback servers log).
+    Our own errors carry their code. A plain `ValueError`, `TypeError`,
+    `KeyError` or `LookupError` is INTERNAL: the client's mistakes are
+    `InvalidArgumentError` / `NotFoundError`, raised where a field is
+    checked. Anything else unknown is INTERNAL too (the only code whose
+    traceback servers log, see `log_internal`).
     """
     if isinstance(exc, OmniError):
         return exc.code
@@ -110,15 +128,32 @@ def grpc_code_for(exc: BaseException) -> grpc.StatusCode:
             return code
     if isinstance(exc, TimeoutError):
         return grpc.StatusCode.DEADLINE_EXCEEDED
-    if isinstance(exc, (ValueError, TypeError)):
-        return grpc.StatusCode.INVALID_ARGUMENT
-    if isinstance(exc, KeyError):
-        return grpc.StatusCode.NOT_FOUND
     if isinstance(exc, MemoryError):
         return grpc.StatusCode.RESOURCE_EXHAUSTED
     if isinstance(exc, (ConnectionError, BrokenPipeError)):
         return grpc.StatusCode.UNAVAILABLE
     return grpc.StatusCode.INTERNAL
+
+
+def new_error_id() -> str:
+    """A short random id tying a client's INTERNAL status to one server log record."""
+    return uuid.uuid4().hex[:12]
+
+
+def internal_message(error_id: str) -> str:
+    """The client's message for an internal error logged under `error_id`."""
+    return f"internal error (error id {error_id}); the server log has the details"
+
+
+def log_internal(log: logging.Logger, what: str, exc: BaseException) -> str:
+    """Log `exc` with its traceback under a new error id; return the client's message.
+
+    The message is `internal_message(id)`: the exception's own text stays in
+    the log (it may hold paths, addresses, values of other requests).
+    """
+    error_id = new_error_id()
+    log.error("%s failed [error id %s]", what, error_id, exc_info=exc)
+    return internal_message(error_id)
 
 
 def quote_value(value: object, limit: int = MAX_QUOTED_CHARS) -> str:

@@ -20,6 +20,7 @@ from omni_common.errors import (
     ResourceExhaustedError,
     UnavailableError,
     grpc_code_for,
+    log_internal,
     public_message,
     quote_value,
     sanitize_message,
@@ -45,9 +46,11 @@ C = grpc.StatusCode
         (UnknownModalityError("smell"), C.INVALID_ARGUMENT),
         (TensorAccumulationError("audio", "shape"), C.INTERNAL),
         (TensorConsolidationError("audio", "cat"), C.INTERNAL),
-        (ValueError("bad"), C.INVALID_ARGUMENT),
-        (TypeError("bad"), C.INVALID_ARGUMENT),
-        (KeyError("k"), C.NOT_FOUND),
+        # plain Python errors are our bugs, never the client's fault
+        (ValueError("bad"), C.INTERNAL),
+        (TypeError("bad"), C.INTERNAL),
+        (KeyError("k"), C.INTERNAL),
+        (LookupError("k"), C.INTERNAL),
         (TimeoutError(), C.DEADLINE_EXCEEDED),
         (IndexError(3), C.INTERNAL),  # a LookupError but not a missing key
         (MemoryError(), C.RESOURCE_EXHAUSTED),
@@ -63,11 +66,16 @@ def test_grpc_code_for(exc: BaseException, want: grpc.StatusCode) -> None:
     assert got == want, f"{exc!r}: {got=}, {want=}"
 
 
+def test_client_error_classes_are_not_python_errors() -> None:
+    """Catching ValueError / LookupError never swallows a client error, and a
+    ValueError / KeyError of ours is never mistaken for one."""
+    for exc in (InvalidArgumentError("prompt", "empty"), NotFoundError("request r1")):
+        for base in (ValueError, TypeError, LookupError):
+            assert not isinstance(exc, base), f"{type(exc).__name__} is a {base.__name__}"
+
+
 def test_omni_errors_win_over_their_python_bases() -> None:
-    # InvalidArgumentError is a ValueError, NotFoundError a LookupError,
-    # DeadlineExceededError a TimeoutError: the class's own code decides.
-    assert isinstance(NotFoundError("x"), LookupError)
-    assert grpc_code_for(NotFoundError("x")) == C.NOT_FOUND
+    # DeadlineExceededError is a TimeoutError: the class's own code decides.
     assert isinstance(DeadlineExceededError("x"), TimeoutError)
     assert grpc_code_for(DeadlineExceededError("x")) == C.DEADLINE_EXCEEDED
 
@@ -90,7 +98,8 @@ def test_invalid_argument_names_the_field() -> None:
     assert err.field == "sampling.temperature"
     assert "sampling.temperature" in str(err), str(err)
     assert str(err) == "sampling.temperature: must be >= 0, got -1", str(err)
-    assert isinstance(err, ValueError)
+    assert grpc_code_for(err) == C.INVALID_ARGUMENT, grpc_code_for(err)
+    assert public_message(err) == "sampling.temperature: must be >= 0, got -1", public_message(err)
 
 
 # ---------------------------------------------------------------------------
@@ -135,9 +144,31 @@ def test_sanitize_message_bounds_length() -> None:
 
 def test_public_message_hides_bugs() -> None:
     assert public_message(RuntimeError("at /secret/path <class 'x.Y'>")) == INTERNAL_MESSAGE
-    assert public_message(KeyError("k")) == "'k'"
+    for bug in (ValueError("x at /srv/a.py"), KeyError("secret_key"), TypeError("t")):
+        assert public_message(bug) == INTERNAL_MESSAGE, f"{bug!r}: {public_message(bug)!r}"
     assert public_message(InvalidArgumentError("voice", "bad " + "v" * 900)).startswith(
         "voice: bad"
     )
     assert len(public_message(InvalidArgumentError("voice", "v" * 900))) == MAX_MESSAGE_CHARS
     assert public_message(OmniError("decoder at unix:///a/b.sock")) == "decoder at [address]"
+
+
+def test_log_internal_names_an_id_the_log_also_has(caplog: pytest.LogCaptureFixture) -> None:
+    """The client's message has the error id and nothing of the exception; the
+    log record has the same id and the traceback."""
+    import logging
+
+    try:
+        {}["secret_key"]
+    except KeyError as exc:
+        with caplog.at_level(logging.ERROR, logger="test.errors"):
+            message = log_internal(logging.getLogger("test.errors"), "Speak", exc)
+    assert message.startswith("internal error (error id "), message
+    assert "secret_key" not in message and "KeyError" not in message, message
+    error_id = message.split("error id ", 1)[1].split(")", 1)[0]
+    assert len(error_id) == 12, error_id
+    records = [r for r in caplog.records if error_id in r.getMessage()]
+    assert len(records) == 1, [r.getMessage() for r in caplog.records]
+    assert records[0].exc_info is not None and records[0].exc_info[0] is KeyError, records[0].exc_info
+    again = log_internal(logging.getLogger("test.errors"), "Speak", KeyError("k"))
+    assert again != message, "two internal errors got the same id"

@@ -64,7 +64,7 @@ from materializer_svc.conformance.cases import make_probe, probe_plan
 from materializer_svc.conformance.checks import payload_only
 from materializer_svc.conformance.client import NoAnswer, Stream, StreamEnded, place
 from omni_common import shm_arena
-from omni_common.modality import OutputModality
+from omni_common.modality import OutputModality, UnknownModalityError
 from omni_common.server import wait_for_health_sync
 from omni_common.shm_arena import ShmArena
 from omni_serving.v1 import (
@@ -450,11 +450,11 @@ def invalid_fields(request: object, known: tuple[str, ...]) -> set[str]:
     else:
         modalities = request.output_modalities
         try:
-            if len(modalities) > 64:
-                raise ValueError
-            if OutputModality.from_string(modalities or "audio") != OutputModality.AUDIO:
+            if len(modalities) > 64 or (
+                OutputModality.from_string(modalities or "audio") != OutputModality.AUDIO
+            ):
                 bad.add("output_modalities")  # the tts deployment produces audio only
-        except ValueError:
+        except UnknownModalityError:
             bad.add("output_modalities")
         if request.output_kind not in (0, 1, 2, 3):
             bad.add("output_kind")

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import re
 import signal
 import subprocess
 import sys
@@ -478,20 +480,30 @@ def test_long_decoder_message_is_bounded() -> None:
     assert len(str(error)) <= 512 and str(error).endswith("…")
 
 
+@pytest.mark.parametrize("bug", [ValueError, KeyError, TypeError])
 def test_a_gateway_bug_is_internal_with_a_generic_message(
-    gateway: GatewayThread, decoder: FakeDecoder
+    gateway: GatewayThread, decoder: FakeDecoder, caplog: pytest.LogCaptureFixture, bug: type
 ) -> None:
-    """Any exception outside the client errors: INTERNAL (never UNKNOWN), no text of its own."""
+    """Any exception outside the client errors (a ValueError of ours too): INTERNAL, never
+    INVALID_ARGUMENT or UNKNOWN, no text of its own; an error id the log also has."""
 
     async def broken(request):
-        raise ValueError("at /srv/secret/path.py: <class 'x.Y'>")
+        raise bug("at /srv/secret/path.py: <class 'x.Y'>")
         yield  # an async generator, like the real one
 
     gateway.gateway.engine.speak = broken
-    with pytest.raises(grpc.RpcError) as info:
-        speak(gateway.stub, text="hi")
-    assert info.value.code() == grpc.StatusCode.INTERNAL
-    assert info.value.details() == "internal error; the server log has the details"
+    with caplog.at_level(logging.ERROR, logger="gateway.servicer"):
+        with pytest.raises(grpc.RpcError) as info:
+            speak(gateway.stub, text="hi")
+    assert info.value.code() == grpc.StatusCode.INTERNAL, info.value
+    details = info.value.details()
+    match = re.fullmatch(
+        r"internal error \(error id ([0-9a-f]{12})\); the server log has the details", details
+    )
+    assert match, f"not the internal message with an error id: {details!r}"
+    logged = [r for r in caplog.records if match.group(1) in r.getMessage()]
+    assert len(logged) == 1 and logged[0].exc_info is not None, [r.getMessage() for r in caplog.records]
+    assert isinstance(logged[0].exc_info[1], bug), logged[0].exc_info
 
 
 def _big_audio_script(num_steps: int, samples: int):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.client
 import io
 import json
+import re
 import wave
 from collections.abc import Iterator
 from pathlib import Path
@@ -294,9 +295,12 @@ def test_speak_client_http_stream_cut_is_data_loss(sock_dir: Path) -> None:
         assert info.value.code == "DATA_LOSS" and not out.exists()
 
 
-def test_http_bug_is_500_with_a_generic_message(gateway: GatewayThread) -> None:
+@pytest.mark.parametrize("bug", [KeyError, ValueError, TypeError])
+def test_http_bug_is_500_with_a_generic_message(gateway: GatewayThread, bug: type) -> None:
+    """A ValueError / KeyError / TypeError of ours is a 500 naming an error id, never a 400/404."""
+
     async def broken(request):
-        raise KeyError("/srv/secret/path.py")
+        raise bug("/srv/secret/path.py")
         yield  # an async generator, like the real one
 
     gateway.gateway.engine.speak = broken
@@ -304,6 +308,11 @@ def test_http_bug_is_500_with_a_generic_message(gateway: GatewayThread) -> None:
     assert response.status_code == 500, response.content
     error = response.json()["error"]
     assert error["type"] == "server_error" and "secret" not in error["message"], error
+    assert error["code"] == "internal" and error["param"] is None, error
+    assert re.fullmatch(
+        r"internal error \(error id [0-9a-f]{12}\); the server log has the details",
+        error["message"],
+    ), error
 
 
 @pytest.mark.parametrize(
