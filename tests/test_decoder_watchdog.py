@@ -273,9 +273,18 @@ def test_stage_error_while_waiting_for_work_keeps_the_stage(monkeypatch):
 
 
 class FakeSilentMaterializer(ReferenceMaterializer):
-    """Test double: reads every snapshot and never answers."""
+    """Test double: its first stream reads every snapshot and never answers;
+    later streams are refused (UNAVAILABLE). Without the refusal, a stream
+    reopened after the stall would hold the request's last steps, fewer than
+    max_pending, until the 30 s stall timeout: how many are left by then is
+    timing."""
+
+    opened = 0
 
     async def Materialize(self, request_iterator, context):
+        self.opened += 1
+        if self.opened > 1:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "test double: silent once")
         async for _ in request_iterator:
             pass
         if False:  # an async generator that yields nothing

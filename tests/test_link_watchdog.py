@@ -132,6 +132,22 @@ def test_new_stream_with_more_than_max_pending_of_its_own_steps_is_dropped():
     )
 
 
+def test_stream_that_never_answered_with_steps_held_up_behind_it_is_dropped():
+    """Steps to be built in-process (no slot: the stream holds them all) wait
+    behind its unanswered head: they count against it, not only its own."""
+    st = state()
+    silent = stream()
+    st.stream = silent
+    sent_on(st, silent, 1)
+    for i in range(MAX_PENDING):
+        st.pending.append(Entry(meta(2 + i), local="no_slot"))
+    Watchdog(st).watch(silent)
+    assert silent.call.cancelled and silent.cancel_reason == "stall", (
+        f"cancelled={silent.call.cancelled}, reason={silent.cancel_reason}: "
+        f"{MAX_PENDING + 1} steps held up behind a stream that never answered"
+    )
+
+
 def test_draining_stream_that_stops_answering_is_abandoned_on_its_own():
     st = state()
     old, new = handover_in_progress(st)
@@ -177,7 +193,7 @@ def test_step_without_a_slot_during_a_handover_goes_to_the_replacement_inline():
     assert [r.snapshot.step_id for r in sent] == [1, 2], sent
     for r in sent:  # no slot behind them: the tensors travel in the message
         assert "inline_data" in str(r) and "shm {" not in str(r), f"not inline: {r}"
-    assert new.backlog == 1 and delivery.fallback_steps == 0, (
+    assert new.backlog == 2 and delivery.fallback_steps == 0, (
         new.backlog, dict(delivery.fallback_by_reason)
     )
 

@@ -90,6 +90,8 @@ class Dispatcher:
                 if st.stream is stream and not st.unsent:
                     self.delivery.append(entry)
                     stream.put(entry, request)
+                    if entry.handover:
+                        stream.backlog += 1
                     return True
             self.flush_unsent()  # the stream changed meanwhile: try again
 
@@ -132,13 +134,13 @@ class Dispatcher:
         local: why this step must be built in-process (None: send it when
         there is a stream)."""
         st = self.state
+        entry = Entry(meta, local)
         if local == "no_slot" and self._handover_holds_slots():
             # The slots are held by steps that wait for (or were just handed
             # to) a replacement, not by a materializer that cannot keep up:
             # the step goes to the replacement too, its detached tensors
             # inline, instead of being built in-process.
-            local = None
-        entry = Entry(meta, local)
+            entry.local, entry.handover = None, True
         while True:
             if entry.local is None and self._send(entry):  # the usual case
                 return

@@ -79,8 +79,10 @@ class Stream:
     # its sent queue went from empty to non-empty. The watchdog judges each
     # stream by this clock and its own ``sent``, never by the link's queue.
     progress_s: float = field(default_factory=time.monotonic)
-    # Steps that waited for this stream during a handover and were sent on
-    # attach (the first ones in ``sent``; answers come in order).
+    # Steps the handover put on this stream: those that waited for it and
+    # were sent on attach, and those sent inline while it had not answered
+    # them (no slot was free: the backlog held them). Judged by the clock,
+    # not counted against max_pending.
     backlog: int = 0
     draining: bool = False  # the materializer sent StreamDraining; half-closed
     abandoned: bool = False  # its unanswered steps were taken over (in-process)
@@ -98,10 +100,6 @@ class Stream:
         self.sent.append(entry)
         self.outbox.put(request)
 
-    def waiting_beyond_backlog(self) -> int:
-        """Unanswered steps sent after the handover backlog (under the lock)."""
-        return len(self.sent) - max(0, self.backlog - self.answers)
-
     def answered(self) -> Entry | None:
         """The step the next answer is for, taken off ``sent`` (under the lock)."""
         if not self.sent:
@@ -118,6 +116,7 @@ class Entry:
     meta: SnapshotMeta
     local: str | None = None  # build in-process for this reason when its turn comes
     stream: Stream | None = None  # the stream it was sent on (None: not sent)
+    handover: bool = False  # no slot was free because a handover's steps held them
     sent_s: float = 0.0  # time.monotonic() when it was sent
     answer: materializer_pb2.MaterializeResponse | None = None
 

@@ -13,12 +13,14 @@ can be blamed for.
 - The current stream is cancelled when its materializer stops answering
   (``stall_timeout_s`` without an answer while steps it was sent wait:
   stall) or cannot keep up (slow: its oldest unanswered step was sent more
-  than that ago, more than ``max_pending`` of its steps wait, or decode
+  than that ago, more than ``max_pending`` steps are held up behind that
+  step (sent on it, or waiting to be built in-process in their turn), or decode
   steps spent more than half of the last ``stall_timeout_s`` waiting for
   arena slots while no drained stream held any). The steps that waited for
   it during a handover and were sent on attach (``Stream.backlog``) count
   against its clock, not against ``max_pending``: a stream that has just
-  been handed a backlog has had no chance to answer yet.
+  been handed a backlog has had no chance to answer yet. Nor do steps
+  ahead of its oldest one (a drained stream's).
 - A drained stream (StreamDraining; it only answers what it was sent) that
   answers nothing for ``stall_timeout_s`` while steps it was sent wait is
   abandoned: it is cancelled with the reason ``drain_stall`` and just its
@@ -74,12 +76,13 @@ class Watchdog:
                 return
             since_answer = now - stream.progress_s if waiting else 0.0
             head_age = now - stream.sent[0].sent_s if waiting else 0.0
-            beyond_backlog = stream.waiting_beyond_backlog()
+            held_up = self._held_up(stream)
+            answers = stream.answers
         if since_answer >= st.stall_timeout_s:  # nothing came back for the whole deadline
             reason = "stall"
-        elif beyond_backlog > st.max_pending:
-            # stalled if nothing came back for a second, else slow
-            reason = "stall" if since_answer >= 1.0 else "slow"
+        elif held_up > st.max_pending:
+            # stalled if nothing came back for a second (or ever), else slow
+            reason = "stall" if since_answer >= 1.0 or not answers else "slow"
         elif head_age > st.stall_timeout_s or blocked > 0.5:
             reason = "slow"
         else:
@@ -91,9 +94,24 @@ class Watchdog:
         )
         detail += (
             f"oldest step sent {head_age:.1f}s ago, no answer for "
-            f"{since_answer:.1f}s, {waiting} steps waiting"
+            f"{since_answer:.1f}s, {held_up} steps held up behind it"
         )
         self._cancel(stream, reason, detail)
+
+    def _held_up(self, stream: Stream) -> int:
+        """Steps that wait on this stream (under the lock): its oldest unanswered
+        step and every step queued behind it (sent on it, or to be built
+        in-process once their turn comes), less the handover backlog it has
+        not answered yet. Steps ahead of it (a drained stream's) are not its."""
+        if not stream.sent:
+            return 0
+        head = stream.sent[0]
+        count = 0
+        for entry in reversed(self.state.pending):
+            count += 1
+            if entry is head:
+                break
+        return count - max(0, stream.backlog - stream.answers)
 
     def watch_draining(self) -> None:
         """Abandon a drained stream that answers nothing for stall_timeout_s
