@@ -497,15 +497,41 @@ def test_sigterm_while_clients_stream_ends_them_with_unavailable(tmp_path):
         dec.signal(signal.SIGTERM)
         rc = dec.proc.wait(30)
         took = time.monotonic() - t0
-        print(f"decoder stopped {took:.2f}s after SIGTERM with 3 clients streaming")
         for c in calls:
             c.wait(10)
             assert c.error is not None, f"{c.rid}: ended without an error ({c.finish!r})"
             assert c.error.code() == grpc.StatusCode.UNAVAILABLE, c.error
             assert "shutting down" in c.error.details(), c.error.details()
         assert rc == 0, dec.log_text()[-3000:]
-        assert took < 5.0, f"shutdown took {took:.1f}s"
+        # The parts of the shutdown (docs/reliability.md): the drain (DRAIN_S,
+        # 2 s), then the pipeline's stop (code2wav workers get stop_timeout_s,
+        # 2 s, to finish what was sent, then are killed), then the process's
+        # teardown (interpreter and library finalisers: well under a second on
+        # an idle host, seconds on a loaded one).
+        drain, stop = shutdown_phases(dec.log_text())
+        print(
+            f"decoder exited {took:.2f}s after SIGTERM with 3 clients streaming: drain "
+            f"{drain:.2f}s, stop {stop:.2f}s, teardown {took - drain - stop:.2f}s"
+        )
+        assert drain < 2.5, f"the drain took {drain:.2f}s (DRAIN_S is 2 s)"
+        assert stop < 3.0, f"the pipeline's stop took {stop:.2f}s (code2wav's bound is 2 s)"
+        assert took < 15.0, f"exit took {took:.1f}s after SIGTERM"
         assert list_segments(dec.shm_prefix) == []
+
+
+def shutdown_phases(log: str) -> tuple[float, float]:
+    """(drain, stop) seconds from a decoder's log: SIGTERM to "ending ...
+    request stream(s)", and from there to "DecoderService stopped"."""
+
+    def at(what: str) -> float:
+        m = re.search(rf"ts=\S+ (\d+):(\d+):(\d+),(\d+) [^\n]*{what}", log)
+        assert m, f"no {what!r} line in the decoder's log:\n{log[-3000:]}"
+        h, mi, sec, ms = (int(g) for g in m.groups())
+        return h * 3600 + mi * 60 + sec + ms / 1000
+
+    signalled = at("got SIGTERM")
+    ended = at(r"ending \d+ request stream")
+    return ended - signalled, at("DecoderService stopped") - ended
 
 
 # -- StepError and a slow materializer: test doubles on a real server -----------------
