@@ -113,12 +113,13 @@ def embed(stack: Stack, text: str) -> decoder_pb2.GenerateResponse:
     return resp
 
 
+@pytest.mark.timeout(900)  # two vLLM stacks, prompts one at a time
 def test_tts_async_equals_sync_and_speak_cli_writes_wav(tmp_path_factory, tmp_path, checkpoint):
     before = tree_snapshot(checkpoint)
     stack = start(tmp_path_factory, checkpoint, "tts", sync=False)
     try:
         got_async = speak_all(stack)
-        speak_concurrently(stack)
+        speak_concurrently(stack)  # through the materializer (the sync stack shares the rest)
         # the Qwen3-Omni stages have no pooling engine: a clear refusal, not a hang
         with pytest.raises(grpc.RpcError) as err:
             embed(stack, "an embedding beside speech")
@@ -138,7 +139,6 @@ def test_tts_async_equals_sync_and_speak_cli_writes_wav(tmp_path_factory, tmp_pa
     stack = start(tmp_path_factory, checkpoint, "tts", sync=True)
     try:
         got_sync = speak_all(stack)
-        speak_concurrently(stack)
         assert decoder_info(stack).stages[0].output_path == decoder_pb2.OUTPUT_PATH_SYNC
     finally:
         assert stack.stop() == []
@@ -229,6 +229,7 @@ def metric(stack: Stack, name: str) -> float:
                if line.startswith(name) and not line.startswith("#"))
 
 
+@pytest.mark.timeout(900)  # two vLLM stacks, prompts one at a time
 def test_omni_text_and_audio_async_equals_sync(tmp_path_factory, checkpoint):
     results = {}
     for sync in (False, True):
@@ -253,7 +254,8 @@ def test_omni_text_and_audio_async_equals_sync(tmp_path_factory, checkpoint):
                 assert len(one.text.token_ids) == 1 and audio_bytes(one) == 0
                 assert one.finish_reason == "length", one.finish_reason
             results[sync] = generate_all(stack)
-            generate_concurrently(stack)
+            if not sync:  # concurrency through the materializer (the sync stack shares the rest)
+                generate_concurrently(stack)
             # one process per AR stage engine beside the decoder (and the code2wav
             # worker), and the two engines' forward passes ran at the same time
             procs = engine_processes(stack)
