@@ -44,7 +44,7 @@ from tests.speech_helpers import digest
 from tests.test_link_faults import materializer, prompt_for, reference_digests, wait_for
 from tests.test_pipeline import ServerThread
 
-PREFIX = "omni-watchdog"
+PREFIX = f"omni-watchdog{os.getpid()}"  # per process: two runs at once must not share arenas
 FAIL_WITHIN_S = 5.0
 
 

@@ -571,7 +571,7 @@ class Req:
     seed: int
 
 
-PREFIX = "omni-linktest"
+PREFIX = f"omni-linktest{os.getpid()}"  # per process: two runs at once must not share arenas
 
 
 def run_pipeline(
