@@ -480,9 +480,17 @@ def test_sigterm_with_dead_materializer_exits_promptly(tmp_path):
         dec.signal(signal.SIGTERM)
         rc = dec.proc.wait(30)
         took = time.monotonic() - t0
-        print(f"decoder stopped {took:.2f}s after SIGTERM with the materializer dead")
-        assert rc == 0, dec.log_text()[-3000:]
-        assert took < 5.0, f"shutdown took {took:.1f}s"
+        log = dec.log_text()
+        stopped = log_time(log, "DecoderService stopped") - log_time(log, "got SIGTERM")
+        print(
+            f"decoder exited {took:.2f}s after SIGTERM with the materializer dead "
+            f"(stopped in {stopped:.2f}s, then the process's teardown)"
+        )
+        assert rc == 0, log[-3000:]
+        # idle: no drain, nothing for code2wav; the rest is the process's
+        # teardown, which a loaded host stretches (docs/reliability.md)
+        assert stopped < 1.5, f"the stop took {stopped:.2f}s with nothing in flight"
+        assert took < 15.0, f"exit took {took:.1f}s after SIGTERM"
         assert list_segments(dec.shm_prefix) == []
 
 
@@ -519,19 +527,20 @@ def test_sigterm_while_clients_stream_ends_them_with_unavailable(tmp_path):
         assert list_segments(dec.shm_prefix) == []
 
 
+def log_time(log: str, what: str) -> float:
+    """Seconds into the day of the first decoder log line matching `what`."""
+    m = re.search(rf"ts=\S+ (\d+):(\d+):(\d+),(\d+) [^\n]*{what}", log)
+    assert m, f"no {what!r} line in the decoder's log:\n{log[-3000:]}"
+    h, mi, sec, ms = (int(g) for g in m.groups())
+    return h * 3600 + mi * 60 + sec + ms / 1000
+
+
 def shutdown_phases(log: str) -> tuple[float, float]:
     """(drain, stop) seconds from a decoder's log: SIGTERM to "ending ...
     request stream(s)", and from there to "DecoderService stopped"."""
-
-    def at(what: str) -> float:
-        m = re.search(rf"ts=\S+ (\d+):(\d+):(\d+),(\d+) [^\n]*{what}", log)
-        assert m, f"no {what!r} line in the decoder's log:\n{log[-3000:]}"
-        h, mi, sec, ms = (int(g) for g in m.groups())
-        return h * 3600 + mi * 60 + sec + ms / 1000
-
-    signalled = at("got SIGTERM")
-    ended = at(r"ending \d+ request stream")
-    return ended - signalled, at("DecoderService stopped") - ended
+    signalled = log_time(log, "got SIGTERM")
+    ended = log_time(log, r"ending \d+ request stream")
+    return ended - signalled, log_time(log, "DecoderService stopped") - ended
 
 
 # -- StepError and a slow materializer: test doubles on a real server -----------------

@@ -107,6 +107,35 @@ def test_new_stream_is_not_judged_by_the_handover_backlog_or_the_old_streams_ste
     assert not old.call.cancelled, f"the old stream was cancelled ({old.cancel_reason})"
 
 
+def test_cold_replacement_answering_its_backlog_slowly_is_not_slow():
+    """The backlog went out at once on attach; a replacement that keeps
+    answering it (each answer within stall_timeout_s) is not judged by the
+    age of its oldest backlog step, and after the backlog a step's age counts
+    from when the backlog was done."""
+    st = state()
+    _, new = handover_in_progress(st)
+    for e in new.sent:
+        e.sent_s = time.monotonic() - STALL_S - 0.5  # sent on attach, 3.5 s ago
+    new.answers = 3
+    new.progress_s = time.monotonic() - 1.0
+    Watchdog(st).watch(new)
+    assert not new.call.cancelled, f"cancelled ({new.cancel_reason}: {new.cancel_detail})"
+    new.answers = new.backlog  # done with the backlog 0.5 s ago; one more step waits
+    new.backlog_done_s = time.monotonic() - 0.5
+    for e in new.sent:
+        st.pending.remove(e)
+    new.sent.clear()
+    sent_on(st, new, 100, sent_ago_s=STALL_S + 1.0)  # sent while the backlog was answered
+    Watchdog(st).watch(new)
+    assert not new.call.cancelled, f"cancelled ({new.cancel_reason}: {new.cancel_detail})"
+    new.backlog_done_s = time.monotonic() - STALL_S - 0.1
+    Watchdog(st).watch(new)
+    assert new.call.cancelled and new.cancel_reason == "slow", (
+        f"cancelled={new.call.cancelled}, reason={new.cancel_reason}: a step waiting "
+        f"{STALL_S + 0.1}s after the backlog was done"
+    )
+
+
 def test_new_stream_that_does_not_answer_its_backlog_in_time_is_dropped():
     st = state()
     _, new = handover_in_progress(st)

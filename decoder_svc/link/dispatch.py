@@ -168,13 +168,15 @@ class Dispatcher:
 
     def _handover_holds_slots(self) -> bool:
         """A handover is under way, or the current stream has not yet answered
-        the steps that waited for it."""
+        the steps that waited for it; and that backlog is under max_pending
+        (past it, a step without a slot is built in-process, as usual, and
+        counts against the stream)."""
         st = self.state
         with st.lock:
             stream = st.stream
             if stream is None:
-                return st.handover is not None
-            return stream.backlog > stream.answers
+                return st.handover is not None and len(st.unsent) < st.max_pending
+            return stream.answers < stream.backlog < st.max_pending
 
     def _drain_on_close(self) -> None:
         st = self.state

@@ -84,6 +84,7 @@ class Stream:
     # them (no slot was free: the backlog held them). Judged by the clock,
     # not counted against max_pending.
     backlog: int = 0
+    backlog_done_s: float = 0.0  # when its answers reached the backlog (0.0: not yet, or none)
     draining: bool = False  # the materializer sent StreamDraining; half-closed
     abandoned: bool = False  # its unanswered steps were taken over (in-process)
     cancel_reason: str | None = None
@@ -106,6 +107,8 @@ class Stream:
             return None
         self.answers += 1
         self.progress_s = time.monotonic()
+        if self.answers == self.backlog:
+            self.backlog_done_s = self.progress_s
         return self.sent.popleft()
 
 

@@ -20,7 +20,10 @@ can be blamed for.
   it during a handover and were sent on attach (``Stream.backlog``) count
   against its clock, not against ``max_pending``: a stream that has just
   been handed a backlog has had no chance to answer yet. Nor do steps
-  ahead of its oldest one (a drained stream's).
+  ahead of its oldest one (a drained stream's). Until the backlog is
+  answered, the age rule does not apply either (the stall rule does): a
+  cold replacement answering a backlog sent at once is not slow, and a
+  step's age counts from when the backlog was done.
 - A drained stream (StreamDraining; it only answers what it was sent) that
   answers nothing for ``stall_timeout_s`` while steps it was sent wait is
   abandoned: it is cancelled with the reason ``drain_stall`` and just its
@@ -75,7 +78,15 @@ class Watchdog:
             if not waiting and blocked <= 0.5:
                 return
             since_answer = now - stream.progress_s if waiting else 0.0
-            head_age = now - stream.sent[0].sent_s if waiting else 0.0
+            # While it answers the handover's backlog (sent at once on attach,
+            # to a replacement that may be cold) only the stall rule and the
+            # count apply; a step's age counts from when the backlog was done.
+            in_backlog = stream.backlog > stream.answers
+            head_age = (
+                now - max(stream.sent[0].sent_s, stream.backlog_done_s)
+                if waiting and not in_backlog
+                else 0.0
+            )
             held_up = self._held_up(stream)
             answers = stream.answers
         if since_answer >= st.stall_timeout_s:  # nothing came back for the whole deadline
