@@ -96,6 +96,14 @@ def handover_in_progress(st: LinkState) -> tuple[Stream, Stream]:
     return old, new
 
 
+def check_dropped(st: LinkState, s: Stream, reason: str, why: str) -> None:
+    """The watchdog cancels the current stream `s` with `reason`."""
+    Watchdog(st).watch(s)
+    assert s.call.cancelled and s.cancel_reason == reason, (
+        f"cancelled={s.call.cancelled}, reason={s.cancel_reason} ({s.cancel_detail}): {why}"
+    )
+
+
 def test_new_stream_is_not_judged_by_the_handover_backlog_or_the_old_streams_steps():
     st = state()
     old, new = handover_in_progress(st)
@@ -129,22 +137,14 @@ def test_cold_replacement_answering_its_backlog_slowly_is_not_slow():
     Watchdog(st).watch(new)
     assert not new.call.cancelled, f"cancelled ({new.cancel_reason}: {new.cancel_detail})"
     new.backlog_done_s = time.monotonic() - STALL_S - 0.1
-    Watchdog(st).watch(new)
-    assert new.call.cancelled and new.cancel_reason == "slow", (
-        f"cancelled={new.call.cancelled}, reason={new.cancel_reason}: a step waiting "
-        f"{STALL_S + 0.1}s after the backlog was done"
-    )
+    check_dropped(st, new, "slow", f"a step waiting {STALL_S + 0.1}s after the backlog was done")
 
 
 def test_new_stream_that_does_not_answer_its_backlog_in_time_is_dropped():
     st = state()
     _, new = handover_in_progress(st)
     new.progress_s = time.monotonic() - STALL_S - 0.1
-    Watchdog(st).watch(new)
-    assert new.call.cancelled and new.cancel_reason == "stall", (
-        f"cancelled={new.call.cancelled}, reason={new.cancel_reason}: a stream silent for "
-        f"{STALL_S + 0.1}s with steps waiting must be dropped as a stall"
-    )
+    check_dropped(st, new, "stall", f"silent for {STALL_S + 0.1}s with steps waiting")
 
 
 def test_new_stream_with_more_than_max_pending_of_its_own_steps_is_dropped():
@@ -154,11 +154,7 @@ def test_new_stream_with_more_than_max_pending_of_its_own_steps_is_dropped():
     new.sent.clear()
     for i in range(MAX_PENDING + 1):
         sent_on(st, new, 100 + i)
-    Watchdog(st).watch(new)
-    assert new.call.cancelled and new.cancel_reason == "slow", (
-        f"cancelled={new.call.cancelled}, reason={new.cancel_reason}: {MAX_PENDING + 1} steps "
-        f"waiting on it, max_pending {MAX_PENDING}"
-    )
+    check_dropped(st, new, "slow", f"{MAX_PENDING + 1} steps wait on it, max_pending {MAX_PENDING}")
 
 
 def test_stream_that_never_answered_with_steps_held_up_behind_it_is_dropped():
@@ -170,11 +166,7 @@ def test_stream_that_never_answered_with_steps_held_up_behind_it_is_dropped():
     sent_on(st, silent, 1)
     for i in range(MAX_PENDING):
         st.pending.append(Entry(meta(2 + i), local="no_slot"))
-    Watchdog(st).watch(silent)
-    assert silent.call.cancelled and silent.cancel_reason == "stall", (
-        f"cancelled={silent.call.cancelled}, reason={silent.cancel_reason}: "
-        f"{MAX_PENDING + 1} steps held up behind a stream that never answered"
-    )
+    check_dropped(st, silent, "stall", f"{MAX_PENDING + 1} steps held up, never an answer")
 
 
 def test_draining_stream_that_stops_answering_is_abandoned_on_its_own():
