@@ -13,8 +13,10 @@
   (omni_stack.supervision) and carry out rolling restarts of the
   materializers (omni_stack.rolling).
 - `stop` stops the services in reverse order (gateway first) within one stop
-  timeout, then whatever they left behind, sweeps the deployment's arenas and
-  returns the shared-memory segments still present. A killed launcher takes
+  timeout, then whatever they left behind, sweeps the deployment's arenas
+  (retrying for up to `SWEEP_WAIT_S` while a lock is still held: a process
+  killed a moment before may not have released it yet) and returns the
+  shared-memory segments still present. A killed launcher takes
   its services with it (parent-death signal, omni_common.lifeline).
 
 Invariants: drive a Stack from one long-lived thread (the services' parent-death
@@ -73,6 +75,26 @@ from omni_stack.runtime import (
 from omni_stack.supervision import Supervisor
 
 _STACKS = itertools.count(1)
+# After the last service exited, how long `stop` waits for a segment's lock
+# to be released: a process killed a moment ago (SIGKILL is not waited for
+# when it is not our child) holds it until the kernel has torn it down.
+SWEEP_WAIT_S = 3.0
+
+
+def sweep_until_gone(prefixes: list[str], wait_s: float, poll_s: float = 0.05) -> list[str]:
+    """Sweep the arenas under `prefixes` once every writer is meant to be gone
+    (a half-made one too: a decoder killed while creating it left no header),
+    retrying while a segment's lock is still held, for at most `wait_s`.
+    Returns the segments still present (their lock outlived the wait)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        for prefix in prefixes:
+            sweep_stale(prefix, creating_grace_s=0)
+        left = sorted(name for prefix in prefixes for name in list_segments(prefix))
+        if not left or time.monotonic() >= deadline:
+            return left
+        time.sleep(poll_s)
+
 
 
 def _log_stderr(message: str) -> None:
@@ -454,12 +476,9 @@ class Stack:
                     p.kill()
         self.kill()  # last resort: nothing should be left
         self.reap_orphans()
-        # A killed decoder cannot unlink its arena; its flock is gone, so sweep
-        # (a half-made one too: one killed while creating it left no header).
-        for prefix in self.shm_prefixes:
-            sweep_stale(prefix, creating_grace_s=0)
+        left = sweep_until_gone(self.shm_prefixes, SWEEP_WAIT_S)
         self._remove_runtime()
-        return self.segments()
+        return left
 
     def _remove_runtime(self) -> None:
         if self._own_runtime:

@@ -44,7 +44,7 @@ from tests.speech_helpers import digest
 from tests.test_link_faults import materializer, prompt_for, reference_digests, wait_for
 from tests.test_pipeline import ServerThread
 
-PREFIX = "omni-watchdog"
+PREFIX = f"omni-watchdog{os.getpid()}"  # per process: two runs at once must not share arenas
 FAIL_WITHIN_S = 5.0
 
 
@@ -273,9 +273,18 @@ def test_stage_error_while_waiting_for_work_keeps_the_stage(monkeypatch):
 
 
 class FakeSilentMaterializer(ReferenceMaterializer):
-    """Test double: reads every snapshot and never answers."""
+    """Test double: its first stream reads every snapshot and never answers;
+    later streams are refused (UNAVAILABLE). Without the refusal, a stream
+    reopened after the stall would hold the request's last steps, fewer than
+    max_pending, until the 30 s stall timeout: how many are left by then is
+    timing."""
+
+    opened = 0
 
     async def Materialize(self, request_iterator, context):
+        self.opened += 1
+        if self.opened > 1:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "test double: silent once")
         async for _ in request_iterator:
             pass
         if False:  # an async generator that yields nothing

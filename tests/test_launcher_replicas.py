@@ -14,11 +14,13 @@ import re
 import signal
 import threading
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
 import psutil
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from omni_serving.v1 import decoder_pb2, decoder_pb2_grpc
 from omni_stack.commands import service_commands
@@ -228,6 +230,28 @@ def test_sigkill_one_decoder_of_two_under_load(stack2):
 # -- rolling restart -------------------------------------------------------------------------
 
 
+def link_counters(metrics_url: str) -> dict:
+    """A decoder's materializer-link counters from its /metrics: handovers,
+    steps built in-process by reason, and switches to in-process by reason
+    (nonzero ones only)."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as resp:
+        text = resp.read().decode()
+    out: dict = {"handovers": 0.0, "fallback": {}, "switches": {}}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == "omni_decoder_materializer_attachments_total" and s.labels.get("kind") == "handover":
+                out["handovers"] += s.value
+            elif s.name == "omni_decoder_fallback_steps_total" and s.value:
+                out["fallback"][s.labels["reason"]] = s.value
+            elif (
+                s.name == "omni_decoder_materializer_switches_total"
+                and s.labels.get("direction") == "to_in_process"
+                and s.value
+            ):
+                out["switches"][s.labels["reason"]] = s.value
+    return out
+
+
 def _materializer_pids(up: Up) -> list[int]:
     return sorted(
         p.pid
@@ -272,11 +296,23 @@ def test_rolling_restart_under_load_loses_no_request(tmp_path, capsys):
             "materializer-r1.sock",
         ], list(rt.iterdir())
         fallback = [decoder_info(endpoints[f"decoder-r{i}"]).fallback_steps for i in range(2)]
-        print(f"\n{out}{len(results)} requests, none failed; decoder fallback steps: {fallback}")
-        # The old materializer finished its steps and handed the stream over:
-        # no step was built in the decoder instead.
+        link = [link_counters(endpoints[f"decoder-r{i} metrics"]) for i in range(2)]
+        print(
+            f"\n{out}{len(results)} requests, none failed; decoder fallback steps: {fallback}; "
+            f"by reason (no_slot included): {[c['fallback'] for c in link]}; "
+            f"switches: {[c['switches'] for c in link]}"
+        )
+        # Each decoder's link handed its stream over (the stage process's
+        # counters, served on the decoder's /metrics) ...
+        assert [c["handovers"] for c in link] == [1.0, 1.0], link
+        # ... and the old materializer finished its steps: no step was built in
+        # the decoder instead, for any reason (no_slot included), and the link
+        # never switched to in-process building.
         switches = [line for line in up.errors().splitlines() if "building in-process" in line]
-        assert fallback == [0, 0], f"decoder fallback steps during the restart: {fallback}; why: {switches[-5:]}"
+        why = f"why: {switches[-5:]}"
+        assert fallback == [0, 0], f"decoder fallback steps during the restart: {fallback}; {why}"
+        assert [c["fallback"] for c in link] == [{}, {}], f"steps built in-process: {link}; {why}"
+        assert [c["switches"] for c in link] == [{}, {}], f"switches to in-process: {link}; {why}"
         # A second restart, by SIGHUP itself; the stack then stops clean.
         up.proc.send_signal(signal.SIGHUP)
         deadline = time.monotonic() + 240

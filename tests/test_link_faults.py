@@ -480,9 +480,18 @@ def test_sigterm_with_dead_materializer_exits_promptly(tmp_path):
         dec.signal(signal.SIGTERM)
         rc = dec.proc.wait(30)
         took = time.monotonic() - t0
-        print(f"decoder stopped {took:.2f}s after SIGTERM with the materializer dead")
-        assert rc == 0, dec.log_text()[-3000:]
-        assert took < 5.0, f"shutdown took {took:.1f}s"
+        log = dec.log_text()
+        stopped = log_time(log, "DecoderService stopped") - log_time(log, "got SIGTERM")
+        print(
+            f"decoder exited {took:.2f}s after SIGTERM with the materializer dead "
+            f"(stopped in {stopped:.2f}s, then the process's teardown)"
+        )
+        assert rc == 0, log[-3000:]
+        # idle: no drain; the stop is bounded like a busy one's (measured 2.27 s
+        # on a loaded host: code2wav's stop_timeout_s is 2 s); the rest is the
+        # process's teardown, which a loaded host stretches (docs/reliability.md)
+        assert stopped < 3.0, f"the stop took {stopped:.2f}s with nothing in flight"
+        assert took < 15.0, f"exit took {took:.1f}s after SIGTERM"
         assert list_segments(dec.shm_prefix) == []
 
 
@@ -497,15 +506,42 @@ def test_sigterm_while_clients_stream_ends_them_with_unavailable(tmp_path):
         dec.signal(signal.SIGTERM)
         rc = dec.proc.wait(30)
         took = time.monotonic() - t0
-        print(f"decoder stopped {took:.2f}s after SIGTERM with 3 clients streaming")
         for c in calls:
             c.wait(10)
             assert c.error is not None, f"{c.rid}: ended without an error ({c.finish!r})"
             assert c.error.code() == grpc.StatusCode.UNAVAILABLE, c.error
             assert "shutting down" in c.error.details(), c.error.details()
         assert rc == 0, dec.log_text()[-3000:]
-        assert took < 5.0, f"shutdown took {took:.1f}s"
+        # The parts of the shutdown (docs/reliability.md): the drain (DRAIN_S,
+        # 2 s), then the pipeline's stop (code2wav workers get stop_timeout_s,
+        # 2 s, to finish what was sent, then are killed), then the process's
+        # teardown (interpreter and library finalisers: well under a second on
+        # an idle host, seconds on a loaded one).
+        drain, stop = shutdown_phases(dec.log_text())
+        print(
+            f"decoder exited {took:.2f}s after SIGTERM with 3 clients streaming: drain "
+            f"{drain:.2f}s, stop {stop:.2f}s, teardown {took - drain - stop:.2f}s"
+        )
+        assert drain < 2.5, f"the drain took {drain:.2f}s (DRAIN_S is 2 s)"
+        assert stop < 3.0, f"the pipeline's stop took {stop:.2f}s (code2wav's bound is 2 s)"
+        assert took < 15.0, f"exit took {took:.1f}s after SIGTERM"
         assert list_segments(dec.shm_prefix) == []
+
+
+def log_time(log: str, what: str) -> float:
+    """Seconds into the day of the first decoder log line matching `what`."""
+    m = re.search(rf"ts=\S+ (\d+):(\d+):(\d+),(\d+) [^\n]*{what}", log)
+    assert m, f"no {what!r} line in the decoder's log:\n{log[-3000:]}"
+    h, mi, sec, ms = (int(g) for g in m.groups())
+    return h * 3600 + mi * 60 + sec + ms / 1000
+
+
+def shutdown_phases(log: str) -> tuple[float, float]:
+    """(drain, stop) seconds from a decoder's log: SIGTERM to "ending ...
+    request stream(s)", and from there to "DecoderService stopped"."""
+    signalled = log_time(log, "got SIGTERM")
+    ended = log_time(log, r"ending \d+ request stream")
+    return ended - signalled, log_time(log, "DecoderService stopped") - ended
 
 
 # -- StepError and a slow materializer: test doubles on a real server -----------------
@@ -545,7 +581,7 @@ class Req:
     seed: int
 
 
-PREFIX = "omni-linktest"
+PREFIX = f"omni-linktest{os.getpid()}"  # per process: two runs at once must not share arenas
 
 
 def run_pipeline(

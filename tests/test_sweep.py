@@ -64,6 +64,54 @@ def _kill(proc: subprocess.Popen) -> None:
         proc.stdout.close()
 
 
+def _holder(prefix: str, exit_after_s: float) -> subprocess.Popen:
+    """A child that creates an arena under `prefix` (holding its lock), then is
+    SIGKILLed after `exit_after_s` (by a timer of its own: it cannot unlink)."""
+    proc, line = _owner_process(f"""
+        import os, signal, threading
+        from omni_common.shm_arena import ShmArena
+        arena = ShmArena({prefix!r}, 1, 4096)
+        print(arena.name, flush=True)
+        threading.Timer({exit_after_s!r}, lambda: os.kill(os.getpid(), signal.SIGKILL)).start()
+        threading.Event().wait()
+    """)
+    assert list_segments(prefix) == [line], (list_segments(prefix), line)
+    return proc
+
+
+def test_stop_sweep_waits_for_a_lock_released_a_moment_later(prefixes):
+    """`Stack.stop` sweeps once its services are gone; a process killed a
+    moment before (not our child: not waited for) may still hold a lock."""
+    from omni_stack.stack import sweep_until_gone
+
+    proc = _holder(prefixes[0], 0.6)
+    try:
+        assert shm_arena.sweep_stale(prefixes[0], creating_grace_s=0) == [], (
+            "a held lock must keep its segment"
+        )
+        t0 = time.monotonic()
+        left = sweep_until_gone([prefixes[0]], wait_s=10.0)
+        took = time.monotonic() - t0
+        assert left == [] and list_segments(prefixes[0]) == [], f"left: {left}"
+        assert took < 5.0, f"the sweep waited {took:.1f}s for a lock released after 0.6s"
+    finally:
+        _kill(proc)
+
+
+def test_stop_sweep_reports_a_segment_whose_lock_outlives_the_wait(prefixes):
+    from omni_stack.stack import sweep_until_gone
+
+    proc = _holder(prefixes[0], 60.0)
+    try:
+        t0 = time.monotonic()
+        left = sweep_until_gone([prefixes[0]], wait_s=0.3)
+        took = time.monotonic() - t0
+        assert left == list_segments(prefixes[0]) and len(left) == 1, f"left: {left}"
+        assert took < 2.0, f"the bounded wait took {took:.1f}s"
+    finally:
+        _kill(proc)
+
+
 def test_arena_header_records_its_owner(prefixes):
     with ShmArena(prefixes[0], 1, 4096) as arena:
         owner = segment_owner(arena.name)

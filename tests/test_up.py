@@ -217,6 +217,8 @@ def check_stopped(up: Up, tree: list[psutil.Process], rc: int) -> None:
     marked = up.deployment_processes()
     assert not marked, f"processes of deployment {up.deployment} left: {[(p.pid, p.cmdline()) for p in marked]}"
     assert up.segments() == [], f"shared-memory segments left: {up.segments()}"
+    named = sorted(p.name for p in SHM.iterdir() if up.deployment in p.name)
+    assert named == [], f"/dev/shm entries naming deployment {up.deployment} left: {named}"
     assert not Path(up.endpoints["runtime dir"]).exists(), "runtime dir left"
 
 

@@ -243,8 +243,18 @@ def run_tts_pipeline(backend, specs, *, async_path: bool):
 
     pipeline.start()
     try:
-        for spec in specs:
+        # One request at a time: the results are compared for equality between
+        # two pipelines, so each step must run the same batch in both. Submitted
+        # together, the stage thread may start a step between two submits, and
+        # where it does is timing: the batches (and so the bits of torch's CPU
+        # linear, which differ for one row (GEMV) and several (GEMM)) could
+        # differ between the runs and flip a sampled token.
+        for n, spec in enumerate(specs, 1):
             pipeline.submit(spec, sink_for(spec.request_id))
+            deadline = time.monotonic() + 60
+            while len(finals) < n:
+                assert time.monotonic() < deadline, f"{spec.request_id} did not finish in 60 s"
+                time.sleep(0.005)
         assert done.wait(60), f"only {len(finals)}/{len(specs)} requests finished"
     finally:
         pipeline.stop()
@@ -265,7 +275,8 @@ def speech_specs(n: int = 10) -> list[RequestSpec]:
 
 @pytest.mark.vllm
 def test_pipeline_sync_and_async_paths_give_identical_audio(models):
-    """10 seeded requests (temperature > 0): the synchronous path (engine
+    """10 seeded requests (temperature > 0, one at a time: identical batches
+    in both paths, see run_tts_pipeline): the synchronous path (engine
     without async scheduling) and the asynchronous path (in-process builder
     over a shm arena, engine with async scheduling, built by build_backends
     from the tts profile) give byte-identical audio; code2wav's codebook 0 is

@@ -45,11 +45,27 @@ def decoder_info(stack: Stack) -> decoder_pb2.GetDecoderInfoResponse:
         return decoder_pb2_grpc.DecoderServiceStub(ch).GetDecoderInfo(decoder_pb2.GetDecoderInfoRequest())
 
 
+# Results compared for equality between the async and sync stacks come from
+# prompts sent one at a time, so every step runs the same batch in both stacks.
+# Sent together, the batches form by timing and differ between the stacks:
+# torch's CPU linear gives different bits for one row (GEMV) than for several
+# (GEMM), and vLLM's MoE per-expert GEMMs vary with the batch, so a sampled
+# token can rarely flip. Concurrency is checked apart (`*_concurrently`):
+# every prompt completes without an error; no equality is asked of it.
+
+
 def speak_all(stack: Stack) -> dict[str, bytes]:
-    """Each prompt's PCM, all prompts at once."""
+    """Each prompt's PCM, one prompt at a time (compared between stacks)."""
+    return {text: check_chunks(speak_chunks(stack.gateway_target, text, seed)) for text, seed in PROMPTS}
+
+
+def speak_concurrently(stack: Stack) -> None:
+    """All prompts at once: each completes with audio and no error (batches
+    form by timing here: not compared)."""
     with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
         results = list(pool.map(lambda p: speak_chunks(stack.gateway_target, p[0], p[1]), PROMPTS))
-    return {text: check_chunks(chunks) for (text, _), chunks in zip(PROMPTS, results, strict=True)}
+    for (text, _), chunks in zip(PROMPTS, results, strict=True):
+        assert check_chunks(chunks), f"{text!r}: no audio when spoken beside {len(PROMPTS) - 1} others"
 
 
 def assert_same_audio(got_async: dict[str, bytes], got_sync: dict[str, bytes]) -> None:
@@ -60,23 +76,33 @@ def assert_same_audio(got_async: dict[str, bytes], got_sync: dict[str, bytes]) -
     assert not differ, f"async and sync audio differ for {len(differ)} of {len(got_async)} prompts: {differ} {hashes}"
 
 
-def generate_all(stack: Stack) -> dict[str, tuple[str, str]]:
-    def one(p):
-        text, seed = p
-        with grpc.insecure_channel(stack.gateway_target) as ch:
-            stub = gateway_pb2_grpc.OmniGatewayServiceStub(ch)
-            req = gateway_pb2.OmniGatewayServiceGenerateRequest(
-                prompt=text, output_modalities="text+audio", output_kind=gateway_pb2.OUTPUT_KIND_FINAL_ONLY,
-                sampling_params=common_pb2.SamplingParams(seed=seed, temperature=0.8, max_tokens=24,
-                                                          max_audio_seconds=5.12))
-            outs = [r.output for r in stub.Generate(req, timeout=300)]
-        final = outs[-1]
-        assert final.finished, f"{text!r} did not finish"
-        audio = b"".join(t.tensor.inline_data for t in final.multimodal.tensors if t.name == "audio")
-        return final.text.text, digest(audio)
+def generate_one(stack: Stack, prompt: tuple[str, int]) -> tuple[str, str]:
+    """One prompt's final text and audio digest (text+audio, final only)."""
+    text, seed = prompt
+    with grpc.insecure_channel(stack.gateway_target) as ch:
+        stub = gateway_pb2_grpc.OmniGatewayServiceStub(ch)
+        req = gateway_pb2.OmniGatewayServiceGenerateRequest(
+            prompt=text, output_modalities="text+audio", output_kind=gateway_pb2.OUTPUT_KIND_FINAL_ONLY,
+            sampling_params=common_pb2.SamplingParams(seed=seed, temperature=0.8, max_tokens=24,
+                                                      max_audio_seconds=5.12))
+        outs = [r.output for r in stub.Generate(req, timeout=300)]
+    final = outs[-1]
+    assert final.finished, f"{text!r} did not finish"
+    audio = b"".join(t.tensor.inline_data for t in final.multimodal.tensors if t.name == "audio")
+    return final.text.text, digest(audio)
 
+
+def generate_all(stack: Stack) -> dict[str, tuple[str, str]]:
+    """Each prompt's text and audio digest, one prompt at a time (compared between stacks)."""
+    return {p[0]: generate_one(stack, p) for p in PROMPTS}
+
+
+def generate_concurrently(stack: Stack) -> None:
+    """All prompts at once: each finishes with text and no error (not compared)."""
     with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
-        return dict(zip((p[0] for p in PROMPTS), pool.map(one, PROMPTS), strict=True))
+        results = list(pool.map(lambda p: generate_one(stack, p), PROMPTS))
+    for (prompt, _), (text, _) in zip(PROMPTS, results, strict=True):
+        assert text, f"{prompt!r}: no text when generated beside {len(PROMPTS) - 1} others"
 
 
 def embed(stack: Stack, text: str) -> decoder_pb2.GenerateResponse:
@@ -87,11 +113,13 @@ def embed(stack: Stack, text: str) -> decoder_pb2.GenerateResponse:
     return resp
 
 
+@pytest.mark.timeout(900)  # two vLLM stacks, prompts one at a time
 def test_tts_async_equals_sync_and_speak_cli_writes_wav(tmp_path_factory, tmp_path, checkpoint):
     before = tree_snapshot(checkpoint)
     stack = start(tmp_path_factory, checkpoint, "tts", sync=False)
     try:
         got_async = speak_all(stack)
+        speak_concurrently(stack)  # through the materializer (the sync stack shares the rest)
         # the Qwen3-Omni stages have no pooling engine: a clear refusal, not a hang
         with pytest.raises(grpc.RpcError) as err:
             embed(stack, "an embedding beside speech")
@@ -201,6 +229,7 @@ def metric(stack: Stack, name: str) -> float:
                if line.startswith(name) and not line.startswith("#"))
 
 
+@pytest.mark.timeout(900)  # two vLLM stacks, prompts one at a time
 def test_omni_text_and_audio_async_equals_sync(tmp_path_factory, checkpoint):
     results = {}
     for sync in (False, True):
@@ -225,6 +254,8 @@ def test_omni_text_and_audio_async_equals_sync(tmp_path_factory, checkpoint):
                 assert len(one.text.token_ids) == 1 and audio_bytes(one) == 0
                 assert one.finish_reason == "length", one.finish_reason
             results[sync] = generate_all(stack)
+            if not sync:  # concurrency through the materializer (the sync stack shares the rest)
+                generate_concurrently(stack)
             # one process per AR stage engine beside the decoder (and the code2wav
             # worker), and the two engines' forward passes ran at the same time
             procs = engine_processes(stack)

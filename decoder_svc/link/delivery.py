@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import collections
 import logging
-import time
 from collections.abc import Callable
 
 from decoder_svc import metrics
@@ -50,8 +49,6 @@ class Delivery:
     def append(self, entry: Entry) -> None:
         """Queue a step behind the pending ones (under the state's lock)."""
         st = self.state
-        if not st.pending:
-            st.last_progress = time.monotonic()
         st.pending.append(entry)
         self.in_flight_peak = max(self.in_flight_peak, len(st.pending))
 
@@ -68,8 +65,6 @@ class Delivery:
                     if head.answer is None and head.local is None:
                         return
                     st.pending.popleft()
-                    if not st.pending:
-                        st.last_progress = time.monotonic()
                 self.deliver_entry(head)
 
     def deliver_entry(self, entry: Entry) -> None:

@@ -7,6 +7,10 @@ handover is under way, steps wait unsent (``LinkState.unsent``) and go out,
 in order, once a stream is attached (``FLUSH``). A step that no slot was
 free for (``submit(meta, build_local=True)``) is built in-process, but only
 once the steps before it were delivered; so is a step that cannot be encoded.
+The exception is a handover: steps waiting for the replacement hold slots,
+so a step that found none then is not the materializer's fault; it waits
+and goes to the replacement with its (detached) tensors inline, as do the
+steps that find no slot while the replacement answers that backlog.
 
 On a stream of inline transport the tensors are copied out of the slot into
 the message (``SnapshotMeta.to_proto``); the slot stays held until the step
@@ -85,9 +89,9 @@ class Dispatcher:
             with st.lock:
                 if st.stream is stream and not st.unsent:
                     self.delivery.append(entry)
-                    entry.stream = stream
-                    stream.sent.append(entry)
-                    stream.outbox.put(request)
+                    stream.put(entry, request)
+                    if entry.handover:
+                        stream.backlog += 1
                     return True
             self.flush_unsent()  # the stream changed meanwhile: try again
 
@@ -119,9 +123,8 @@ class Dispatcher:
                 if st.stream is not stream:
                     continue
                 st.unsent.popleft()
-                entry.stream = stream
-                stream.sent.append(entry)
-                stream.outbox.put(request)
+                stream.put(entry, request)
+                stream.backlog += 1
         if failed:
             self.delivery.deliver_heads()
 
@@ -132,6 +135,12 @@ class Dispatcher:
         there is a stream)."""
         st = self.state
         entry = Entry(meta, local)
+        if local == "no_slot" and self._handover_holds_slots():
+            # The slots are held by steps that wait for (or were just handed
+            # to) a replacement, not by a materializer that cannot keep up:
+            # the step goes to the replacement too, its detached tensors
+            # inline, instead of being built in-process.
+            entry.local, entry.handover = None, True
         while True:
             if entry.local is None and self._send(entry):  # the usual case
                 return
@@ -156,6 +165,18 @@ class Dispatcher:
                     # receiver cannot deliver an earlier step after this one.
                     self.delivery.build_local(meta, reason)
                     return
+
+    def _handover_holds_slots(self) -> bool:
+        """A handover is under way, or the current stream has not yet answered
+        the steps that waited for it; and that backlog is under max_pending
+        (past it, a step without a slot is built in-process, as usual, and
+        counts against the stream)."""
+        st = self.state
+        with st.lock:
+            stream = st.stream
+            if stream is None:
+                return st.handover is not None and len(st.unsent) < st.max_pending
+            return stream.answers < stream.backlog < st.max_pending
 
     def _drain_on_close(self) -> None:
         st = self.state

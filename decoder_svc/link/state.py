@@ -7,8 +7,8 @@ watchdog (``.watchdog``) and the transport (``.transport``: the gRPC streams
 and the connector). Their shared fields live here, with the two locks:
 
 - ``lock`` guards ``stream``, ``old``, ``handover``, ``pending``, ``unsent``,
-  ``last_progress``, ``local_reason``, ``attachment``, and the streams'
-  ``sent``;
+  ``local_reason``, ``attachment``, and the streams' ``sent``, ``answers``
+  and ``progress_s``;
 - ``deliver_lock`` (re-entrant: a failover delivers the pending steps while
   holding it) makes deliveries one at a time, in step order; when both are
   taken, ``deliver_lock`` is taken first.
@@ -75,11 +75,41 @@ class Stream:
     attachment: Attachment | None = None
     sent: collections.deque[Entry] = field(default_factory=collections.deque)
     answers: int = 0
+    # When this stream last showed progress: its last answer, or the moment
+    # its sent queue went from empty to non-empty. The watchdog judges each
+    # stream by this clock and its own ``sent``, never by the link's queue.
+    progress_s: float = field(default_factory=time.monotonic)
+    # Steps the handover put on this stream: those that waited for it and
+    # were sent on attach, and those sent inline while it had not answered
+    # them (no slot was free: the backlog held them). Judged by the clock,
+    # not counted against max_pending.
+    backlog: int = 0
+    backlog_done_s: float = 0.0  # when its answers reached the backlog (0.0: not yet, or none)
     draining: bool = False  # the materializer sent StreamDraining; half-closed
     abandoned: bool = False  # its unanswered steps were taken over (in-process)
     cancel_reason: str | None = None
     cancel_detail: str = ""
     receiver: threading.Thread | None = None
+
+    def put(self, entry: Entry, request: materializer_pb2.MaterializeRequest) -> None:
+        """Send a step on this stream (under the state's lock)."""
+        now = time.monotonic()
+        if not self.sent:
+            self.progress_s = now  # waiting starts now, not at the last answer
+        entry.stream = self
+        entry.sent_s = now
+        self.sent.append(entry)
+        self.outbox.put(request)
+
+    def answered(self) -> Entry | None:
+        """The step the next answer is for, taken off ``sent`` (under the lock)."""
+        if not self.sent:
+            return None
+        self.answers += 1
+        self.progress_s = time.monotonic()
+        if self.answers == self.backlog:
+            self.backlog_done_s = self.progress_s
+        return self.sent.popleft()
 
 
 @dataclass(eq=False)
@@ -89,6 +119,8 @@ class Entry:
     meta: SnapshotMeta
     local: str | None = None  # build in-process for this reason when its turn comes
     stream: Stream | None = None  # the stream it was sent on (None: not sent)
+    handover: bool = False  # no slot was free because a handover's steps held them
+    sent_s: float = 0.0  # time.monotonic() when it was sent
     answer: materializer_pb2.MaterializeResponse | None = None
 
 
@@ -148,7 +180,6 @@ class LinkState:
         self.old: list[Stream] = []  # drained streams still answering
         self.handover: Handover | None = None
         self.dial_target = target
-        self.last_progress = time.monotonic()
         self.local_reason = "unreachable"
         self.local_since = time.monotonic()
         self.closing = threading.Event()

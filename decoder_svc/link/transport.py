@@ -8,7 +8,8 @@
 - The connector (only with a target) opens streams and watches them: while
   there is no stream it polls the materializer's health with a short
   timeout and opens a stream once it is SERVING (also while the decoder is
-  idle); while there is one the watchdog (``.watchdog``) judges it. After a
+  idle); while there is one the watchdog (``.watchdog``) judges it, and
+  drained streams still answering are judged on their own. After a
   broken stream (the materializer died) it polls every
   ``reconnect_interval_s``; after a stream that stalled, fell behind or
   never answered, it waits ``reconnect_interval_s * 2**n`` first (n such
@@ -97,6 +98,7 @@ class Transport:
     def connect_loop(self) -> None:
         st = self.state
         while not st.closing.is_set():
+            self.watchdog.watch_draining()
             with st.lock:
                 stream = st.stream
                 handover = st.handover
@@ -297,7 +299,6 @@ class Transport:
                     return False
                 st.stream = stream
                 st.handover = None
-                st.last_progress = time.monotonic()
                 self.watchdog.reset_window()
                 was_local_s = time.monotonic() - st.local_since
                 previous, st.attachment = st.attachment, attachment
@@ -347,14 +348,12 @@ class Transport:
             with st.lock:
                 if stream.abandoned:
                     return  # failed over meanwhile: its steps were built in-process
-                entry = stream.sent.popleft() if stream.sent else None
-                if entry is None or got != entry.meta.step_id:
-                    if entry is not None:
-                        stream.sent.appendleft(entry)
+                head = stream.sent[0] if stream.sent else None
+                if head is None or got != head.meta.step_id:
                     raise _ProtocolError(
-                        f"answered step {got}, expected {entry.meta.step_id if entry else 'none'}"
+                        f"answered step {got}, expected {head.meta.step_id if head else 'none'}"
                     )
+                entry = stream.answered()
+                assert entry is head
                 entry.answer = resp
-                st.last_progress = time.monotonic()
-                stream.answers += 1
             self.delivery.deliver_heads()
