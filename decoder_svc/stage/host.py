@@ -219,6 +219,10 @@ class _StageHost:
             attachment=attachment.to_proto().SerializeToString() if attachment is not None else None,
             arena=((arena.name, arena.slot_bytes, arena.num_slots, arena.in_use, arena.peak_in_use)
                    if arena is not None else None),
+            turns=runner.progress.count,
+            busy=runner.has_work(),
+            pace_s=runner.progress.pace_s,
+            commands=runner.commands_taken,
         )
 
     def stop(self) -> None:
