@@ -27,6 +27,7 @@ from omni_common.errors import InvalidArgumentError, OmniError
 from omni_common.liveness import DEFAULT_FACTOR, LIVENESS_SERVICE, StallLimits, Stuck, Watchdog
 from omni_common.logging_setup import setup_logging
 from omni_common.metrics import start_metrics_server
+from omni_common.metrics_forward import FORWARDED, MergedRegistry
 from omni_common.server import HealthServicer, ServerConfig, serve, set_health
 from omni_common.shm_arena import ShmArena, sweep_stale
 from omni_serving.v1 import decoder_pb2, decoder_pb2_grpc
@@ -232,7 +233,8 @@ def main(argv: list[str] | None = None) -> None:
     except InvalidArgumentError as exc:
         raise SystemExit(f"decoder: {exc}") from exc
     profile = load_profile(args.profile)
-    start_metrics_server(args.metrics_port, args.metrics_host)
+    # its own series and its stage processes' (decoder_svc.stage.proxy forwards them)
+    start_metrics_server(args.metrics_port, args.metrics_host, MergedRegistry(FORWARDED))
     prefix = shm_prefix_for(args.deployment)
     sweep_stale(prefix)
     # the step arena: this process's, unless each stage process has its own

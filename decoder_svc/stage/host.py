@@ -36,12 +36,14 @@ import threading
 import time
 from typing import Any
 
+from decoder_svc import busy, metrics
 from decoder_svc.backend import RequestSpec
 from decoder_svc.busy import BUSY
 from decoder_svc.families import family_for
 from decoder_svc.spawned import pipe_sender
 from decoder_svc.stage.assembly import build_stages
 from decoder_svc.stage.messages import (
+    METRICS_EVERY,
     STATUS_INTERVAL_S,
     Abort,
     Add,
@@ -59,10 +61,28 @@ from decoder_svc.stage.messages import (
     Stop,
     WireError,
 )
+from omni_common import metrics_forward
 from omni_common.errors import OmniError
 from omni_serving.v1 import materializer_pb2
 
 logger = logging.getLogger(__name__)
+
+PARENT_RECORDED = frozenset(m._name for m in (
+    # the decoder records these from the status's observations and intervals
+    metrics.STEP_GAP, metrics.STEP_TIME, metrics.STEPS, busy.FORWARD_SECONDS, busy.OVERLAP_SECONDS,
+    # the decoder computes these over itself and every stage process
+    metrics.ACTIVE_REQUESTS, metrics.MATERIALIZER_LAG, metrics.SLOTS_IN_USE,
+    # the decoder's own parts (routing, code2wav): never set in a stage process
+    metrics.REPETITION_STOPS, metrics.STAGE_RESTARTS,
+))
+"""Families a stage process does not forward (the decoder has them already)."""
+PARENT_PREFIXES = ("omni_decoder_code2wav_",)
+"""... nor families named so (code2wav runs in the decoder and its workers)."""
+
+
+def metrics_snapshot() -> list:
+    """This process's series that the decoder does not have already."""
+    return [f for f in metrics_forward.snapshot(exclude=PARENT_RECORDED) if not f[0].startswith(PARENT_PREFIXES)]
 
 
 def _build_backend(spec: StageHostSpec):
@@ -202,7 +222,9 @@ class _StageHost:
         self.backend.abort(request_id)
         self._forget([request_id])
 
-    def status(self) -> Status:
+    def status(self, with_metrics: bool = False) -> Status:
+        """The stage's status; `with_metrics`: with a snapshot of this
+        process's metrics (the families the decoder does not record itself)."""
         runner, link, arena = self.runner, self.link, self.arena
         observations = []
         pending = runner.observations
@@ -223,6 +245,7 @@ class _StageHost:
             busy=runner.has_work(),
             pace_s=runner.progress.pace_s,
             commands=runner.commands_taken,
+            metrics=metrics_snapshot() if with_metrics else None,
         )
 
     def stop(self) -> None:
@@ -293,9 +316,11 @@ def stage_main(spec: StageHostSpec, commands, events, parent: int) -> None:
     stop = threading.Event()
 
     def report() -> None:
+        reports = 0
         while not stop.wait(STATUS_INTERVAL_S):
+            reports += 1
             try:
-                status = host.status()
+                status = host.status(with_metrics=reports % METRICS_EVERY == 0)
             except Exception:  # noqa: BLE001 -- next time
                 logger.exception("stage %s: status failed", spec.stage)
                 continue
@@ -331,7 +356,7 @@ def stage_main(spec: StageHostSpec, commands, events, parent: int) -> None:
         stop.set()
         reporter.join(1)
         try:
-            send(host.status())
+            send(host.status(with_metrics=True))
         except Exception:  # noqa: BLE001 -- the last status is a nicety
             pass
         events.close()

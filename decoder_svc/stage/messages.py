@@ -32,7 +32,10 @@ stage -> decoder (the event pipe):
   the stage's forward-pass intervals (``decoder_svc.busy``), and the decode
   loop's liveness: its turn count (advanced by the loop itself, so a wedged
   loop's count stops while this report, from a thread of its own, goes on),
-  whether work waited for it, its recent pace and the commands it applied.
+  whether work waited for it, its recent pace and the commands it applied;
+  about once a second (``METRICS_EVERY`` reports), a snapshot of the
+  process's metrics (``omni_common.metrics_forward``) but the families the
+  decoder records itself from the observations (``PARENT_RECORDED``).
 
 An engine's refusal crosses as a :class:`WireError` and is raised on the
 decoder's side as the same ``omni_common.errors`` class (the gRPC code kept).
@@ -50,6 +53,9 @@ from omni_common.errors import OmniError
 
 STATUS_INTERVAL_S = 0.2
 """How often a stage process reports its status (steps, link, arena, metrics)."""
+
+METRICS_EVERY = 5
+"""A metrics snapshot rides on every this-many status reports (about once a second)."""
 
 
 @dataclass(frozen=True)
@@ -246,6 +252,8 @@ class Status:
     busy: bool = False
     pace_s: float | None = None
     commands: int = 0
+    # a snapshot of the process's metrics (omni_common.metrics_forward), or None
+    metrics: list | None = None
 
 
 Event = Ready | StartFailed | Step | Reply | Fail | FailAll | Status

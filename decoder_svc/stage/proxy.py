@@ -22,6 +22,13 @@ had work or has not applied every command sent to it. A watchdog
 (``omni_common.liveness``, wired by ``.liveness``) that finds the stage stuck
 calls ``on_stuck``: the process is killed, its requests end with UNAVAILABLE
 naming how long it made no progress, and it is started again as after a crash.
+
+Metrics: the process's own series (its link's fallbacks and switches, ...)
+come in its ``Status`` about once a second and go to a ``Forwarded`` store
+(``omni_common.metrics_forward.FORWARDED`` by default) as the source
+``stage:<name>``, labelled ``stage="<name>"``; the decoder's /metrics serves
+them merged with its own. A process that ends is retired there: its counters
+carry over to the next process of the stage.
 """
 
 from __future__ import annotations
@@ -64,6 +71,7 @@ from decoder_svc.stage.messages import (
 )
 from omni_common.errors import OmniError, UnavailableError
 from omni_common.liveness import Progress
+from omni_common.metrics_forward import FORWARDED, Forwarded
 from omni_common.shm_arena import sweep_stale
 from omni_serving.v1 import materializer_pb2
 
@@ -122,8 +130,11 @@ class StageProcess:
     """
 
     def __init__(self, spec: StageHostSpec, *, start_timeout_s: float = 600.0,
-                 call_timeout_s: float = 120.0, embed_timeout_s: float = 900.0) -> None:
+                 call_timeout_s: float = 120.0, embed_timeout_s: float = 900.0,
+                 forwarded: Forwarded = FORWARDED) -> None:
         self.spec = spec
+        self.forwarded = forwarded
+        self.metrics_source = f"stage:{spec.stage}"
         self.config = spec.config
         self.name = spec.stage
         self.start_timeout_s = start_timeout_s
@@ -524,6 +535,8 @@ class StageProcess:
         self.progress.set_count(self._turns_before + int(status.turns))
         if status.pace_s is not None:
             self.progress.pace_s = status.pace_s
+        if status.metrics is not None:
+            self.forwarded.update(self.metrics_source, {"stage": self.name}, status.metrics)
         for t_step, gap in status.observations:
             self.step_times_s.append(t_step)
             self.gaps_s.append(gap)
@@ -582,6 +595,8 @@ class StageProcess:
         for call in calls:
             call.ok, call.value = False, UnavailableError(ended)
             call.done.set()
+        # its counters carry over to the next process; its gauges go
+        self.forwarded.retire(self.metrics_source)
         # its arena segment: its owner is gone (the flock went with it)
         sweep_stale(self.spec.shm_prefix)
         if stopping:
