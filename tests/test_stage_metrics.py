@@ -16,6 +16,8 @@ import signal
 
 import pytest
 
+from decoder_svc import metrics
+from decoder_svc.stage.host import metrics_snapshot
 from tests.test_link_faults import batch, check_outputs, materializer, restart, wait_for
 from tests.test_stage_liveness import _stage_pid, stage_decoder
 
@@ -74,3 +76,15 @@ def test_a_stage_process_fallback_and_switches_reach_the_decoders_metrics(tmp_pa
     finally:
         dec.kill()
         mat.kill()
+
+
+def test_a_stage_process_forwards_only_what_the_decoder_does_not_record():
+    metrics.STEPS.labels("talker", "async").inc()
+    metrics.CODE2WAV_RESTARTS.inc()
+    metrics.FALLBACK_STEPS.labels("stall").inc()
+    metrics.MATERIALIZER_MODE.labels("remote").set(1)
+    names = {f[0] for f in metrics_snapshot()}
+    assert {"omni_decoder_fallback_steps", "omni_decoder_materializer_mode"} <= names, f"forwarded: {names}"
+    repeated = names & {"omni_decoder_steps", "omni_decoder_step_seconds", "omni_decoder_step_gap_seconds",
+                        "omni_decoder_active_requests", "omni_decoder_code2wav_worker_restarts"}
+    assert not repeated, f"forwarded what the decoder records itself: {repeated}"

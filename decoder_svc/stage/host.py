@@ -14,6 +14,12 @@ decode loop touches (``.assembly.build_stages``):
 - on the sync path (or the link's in-process fallback), the payloads built
   here.
 
+A reporter thread sends a ``Status`` every ``STATUS_INTERVAL_S``: with the
+decode loop's liveness (its turn count, advanced by the loop itself, so the
+count stops when the loop wedges while the reports go on) and, about once a
+second, a snapshot of this process's metrics but the families the decoder
+records itself (``PARENT_RECORDED``).
+
 It reports ``Ready`` (or ``StartFailed``), then serves the decoder's
 commands (``.messages``) until told to stop or until its command pipe closes
 (the decoder is gone). Commands that change requests (add, extend, abort)
