@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import signal
 import threading
 import time
@@ -77,6 +78,13 @@ class ErrorCollector(Collector):
         return sink
 
 
+def stalled_for(message: str) -> float:
+    """The seconds without progress an error message names ("made no progress for 2.1 s")."""
+    m = re.search(r"made no progress for ([0-9.]+) ?s", message)
+    assert m, f"no stall time in {message!r}"
+    return float(m.group(1))
+
+
 def wait_for(pred, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not pred():
@@ -106,13 +114,13 @@ def test_a_wedged_decode_loop_in_process_fails_its_requests_and_is_reported():
         for i in range(3):
             speak(pipeline, col, f"w{i}", i)
         assert backend.wedged.wait(10), "the fake engine never wedged"
-        t0 = time.monotonic()
-        col.wait(3, timeout=10)
+        col.wait(3, timeout=30)
         assert set(col.errors) == {"w0", "w1", "w2"}, f"finished: {col.finish}, errors: {col.errors}"
         for rid, err in col.errors.items():
             assert isinstance(err, UnavailableError), f"{rid}: {type(err).__name__}: {err}"
             assert "stage:talker made no progress for" in str(err), f"{rid}: {err}"
-        assert time.monotonic() - t0 < 5, "the stall was caught late"
+            # caught at the first look past the 0.5 s limit (a loaded machine may delay a look)
+            assert 0.5 <= stalled_for(str(err)) < 3.0, f"{rid}: caught late: {err}"
         assert not watchdog.ready, "a stuck decode loop left the decoder ready"
         assert [s.name for s in watchdog.stuck()] == ["stage:talker"], f"stuck: {watchdog.stuck()}"
         wait_for(lambda: not watchdog.live, 5, "stuck past the grace, the decoder stayed live")
@@ -154,16 +162,15 @@ def test_a_stopped_stage_process_is_killed_and_restarted(no_segments_left):
         wait_for(lambda: talker.steps >= 3, 30, "the talker took no steps")
         os.kill(old_pid, signal.SIGSTOP)
         stopped = True
-        t0 = time.monotonic()
-        col.wait(4, timeout=30)
-        caught_s = time.monotonic() - t0
+        col.wait(4, timeout=60)
         lost = sorted(col.errors)
         assert lost, f"no request was on the stopped talker: {col.finish}"
         for rid in lost:
             err = col.errors[rid]
             assert isinstance(err, UnavailableError), f"{rid}: {type(err).__name__}: {err}"
             assert "stage talker made no progress for" in str(err), f"{rid}: {err}"
-        assert caught_s < 15, f"the stall took {caught_s:.1f}s to be caught (limit 2 s)"
+            # the last status before the stop may be 0.2 s old; a loaded machine may delay a look
+            assert 2.0 <= stalled_for(str(err)) < 6.0, f"{rid}: caught late: {err}"
         wait_for(lambda: talker.ready and talker.pid not in (None, old_pid), 120, "the talker did not come back")
         stopped = False
         assert talker.restarts >= 1, f"restarts: {talker.restarts}"
@@ -258,18 +265,16 @@ def test_a_stopped_stage_process_of_a_serving_decoder_ends_its_calls_unavailable
         assert _health(dec.target, "") == "SERVING", "the decoder is not ready"
         talker = _stage_pid(dec.proc.pid, "talker")
         assert talker is not None, "no talker stage process under the decoder"
-        calls = batch(dec.target, "s", 3, 2000)
+        calls = batch(dec.target, "s", 4, 2000)
         wait_for(lambda: dec.steps() > 5, 60, "the talker took no steps")
         os.kill(talker, signal.SIGSTOP)
-        t0 = time.monotonic()
         for c in calls:
             c.wait(60)
-        caught_s = time.monotonic() - t0
-        for c in calls:
-            assert c.error is not None, f"{c.rid}: finished ({c.finish!r}) on a stopped talker"
+        lost = [c for c in calls if c.error is not None]
+        assert lost, f"every call finished on a stopped talker: {[c.finish for c in calls]}"
+        for c in lost:
             assert c.error.code() == grpc.StatusCode.UNAVAILABLE, f"{c.rid}: {c.error.code()} {c.error.details()}"
-            assert "made no progress for" in c.error.details(), f"{c.rid}: {c.error.details()}"
-        assert caught_s < 15, f"the stall took {caught_s:.1f}s to be caught (limit 2 s)"
+            assert 2.0 <= stalled_for(c.error.details()) < 6.0, f"{c.rid}: caught late: {c.error.details()}"
         wait_for(lambda: (_stage_pid(dec.proc.pid, "talker") or talker) != talker, 60, "no new talker process")
         wait_for(lambda: _health(dec.target, "") == "SERVING", 60, "the decoder did not become ready again")
         check_outputs(batch(dec.target, "after", 2, 60))
