@@ -120,14 +120,19 @@ def test_a_wedged_decode_loop_in_process_fails_its_requests_and_is_reported():
             assert isinstance(err, UnavailableError), f"{rid}: {type(err).__name__}: {err}"
             assert "stage:talker made no progress for" in str(err), f"{rid}: {err}"
             # caught at the first look past the 0.5 s limit (a loaded machine may delay a look)
-            assert 0.5 <= stalled_for(str(err)) < 3.0, f"{rid}: caught late: {err}"
+            assert 0.5 <= stalled_for(str(err)) < 5.0, f"{rid}: caught late: {err}"
         assert not watchdog.ready, "a stuck decode loop left the decoder ready"
         assert [s.name for s in watchdog.stuck()] == ["stage:talker"], f"stuck: {watchdog.stuck()}"
         wait_for(lambda: not watchdog.live, 5, "stuck past the grace, the decoder stayed live")
-        assert changes[:2] == [(False, True), (False, False)], f"health changes: {changes}"
+        # (a look delayed past the grace on a loaded machine reports both at once)
+        wait_for(lambda: (False, False) in changes, 5, f"not live never reported: {changes}")
+        assert changes[0][0] is False and changes[:2] in ([(False, True), (False, False)], [(False, False)]), (
+            f"health changes: {changes}"
+        )
         # it moves again: ready and live; a new request is served
         backend.release.set()
         wait_for(lambda: watchdog.ready and watchdog.live, 5, "the loop moved but the decoder stayed not ready")
+        wait_for(lambda: changes[-1] == (True, True), 5, f"ready again never reported: {changes}")
         speak(pipeline, col, "after", 9)
         col.wait(4, timeout=30)
         assert col.finish["after"] not in ("error",) and col.audio.get("after"), (col.finish, col.errors)
@@ -275,8 +280,9 @@ def test_a_stopped_stage_process_of_a_serving_decoder_ends_its_calls_unavailable
         for c in lost:
             assert c.error.code() == grpc.StatusCode.UNAVAILABLE, f"{c.rid}: {c.error.code()} {c.error.details()}"
             assert 2.0 <= stalled_for(c.error.details()) < 6.0, f"{c.rid}: caught late: {c.error.details()}"
-        wait_for(lambda: (_stage_pid(dec.proc.pid, "talker") or talker) != talker, 60, "no new talker process")
-        wait_for(lambda: _health(dec.target, "") == "SERVING", 60, "the decoder did not become ready again")
+        wait_for(lambda: "stage talker: restarted (pid" in dec.log_text(), 120, "the talker did not come back")
+        assert _stage_pid(dec.proc.pid, "talker") not in (None, talker), "the talker's process is the stopped one"
+        assert _health(dec.target, "") == "SERVING", "the decoder is not ready after the restart"
         check_outputs(batch(dec.target, "after", 2, 60))
         assert _health(dec.target, "omni_serving.liveness") == "SERVING", "a restarted stage left it not live"
         assert "decode loop made no progress for" in dec.log_text(), dec.log_text()[-3000:]
