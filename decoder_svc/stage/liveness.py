@@ -4,7 +4,7 @@
 
 - a stage in a process of its own (``.proxy.StageProcess``): its progress
   follows the turn count its process reports; stuck, the process is killed
-  (``StageProcess._on_stuck``), its requests end with UNAVAILABLE naming the
+  (``StageProcess.kill_stuck``), its requests end with UNAVAILABLE naming the
   stall, and it is started again as after a crash;
 - a stage whose decode loop runs in this process (``.runner.StageRunner``):
   nothing can restart a thread, so its requests (every running request of
@@ -39,16 +39,25 @@ def watch_stages(pipeline: Pipeline, watchdog: Watchdog) -> list[Progress]:
     parts = []
     for runner in pipeline.runners.values():
         progress = runner.progress
-        if not isinstance(runner, StageProcess):
-            progress.on_stuck = _fail_running(pipeline)
+        if isinstance(runner, StageProcess):
+            progress.on_stuck = _kill(runner, watchdog)
+        else:
+            progress.on_stuck = _fail_running(pipeline, watchdog)
         parts.append(watchdog.watch(progress))
     return parts
 
 
-def _fail_running(pipeline: Pipeline):
+def _kill(stage: StageProcess, watchdog: Watchdog):
     def on_stuck(progress: Progress, seconds: float) -> None:
-        error = UnavailableError(f"{progress.name} made no progress for {seconds:.1f} s with work waiting; "
-                                 "the request was ended")
+        stage.kill_stuck(seconds, watchdog.limit_s(progress))
+
+    return on_stuck
+
+
+def _fail_running(pipeline: Pipeline, watchdog: Watchdog):
+    def on_stuck(progress: Progress, seconds: float) -> None:
+        error = UnavailableError(f"{progress.name} made no progress for {seconds:.1f} s with work waiting "
+                                 f"(limit {watchdog.limit_s(progress):.1f} s); the request was ended")
         ids = pipeline.requests.ids()
         logger.error("%s is stuck in this process: failing its %d request(s); the decoder reports not ready",
                      progress.name, len(ids))

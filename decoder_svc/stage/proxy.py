@@ -20,7 +20,7 @@ process reports in its ``Status`` (advanced by the loop itself, not by the
 reporting thread); work waits while requests are on the stage and the loop
 had work or has not applied every command sent to it. A watchdog
 (``omni_common.liveness``, wired by ``.liveness``) that finds the stage stuck
-calls ``on_stuck``: the process is killed, its requests end with UNAVAILABLE
+calls ``kill_stuck``: the process is killed, its requests end with UNAVAILABLE
 naming how long it made no progress, and it is started again as after a crash.
 
 Metrics: the process's own series (its link's fallbacks and switches, ...)
@@ -157,7 +157,7 @@ class StageProcess:
         self._steps_before = 0  # steps, fallbacks and loop turns of earlier processes of this stage
         self._fallbacks_before = 0
         self._turns_before = 0
-        self.progress = Progress(f"stage:{self.name}", self._has_work, on_stuck=self._on_stuck)
+        self.progress = Progress(f"stage:{self.name}", self._has_work)
         self.gaps_s: collections.deque[float] = collections.deque(maxlen=100_000)
         self.step_times_s: collections.deque[float] = collections.deque(maxlen=100_000)
         # set by attach(): where steps and failures go
@@ -378,14 +378,15 @@ class StageProcess:
                 return False
             return bool(status.busy) or proc.posted > status.commands
 
-    def _on_stuck(self, progress: Progress, seconds: float) -> None:
-        """The watchdog's verdict: kill the process; the reader fails its
-        requests (naming the stall) and the stage restarts as after a crash."""
+    def kill_stuck(self, seconds: float, limit_s: float) -> None:
+        """The watchdog's verdict (no progress for `seconds`, over its limit):
+        kill the process; the reader fails its requests (naming the stall) and
+        the stage restarts as after a crash."""
         with self._lock:
             proc = self._proc
             if proc is None or self._stopping or not self._ready.is_set():
                 return
-            proc.stalled = f"made no progress for {seconds:.1f} s with work waiting"
+            proc.stalled = f"made no progress for {seconds:.1f} s with work waiting (limit {limit_s:.1f} s)"
         logger.error("stage %s: decode loop %s; killing its engine process (pid %d)",
                      self.name, proc.stalled, proc.process.pid)
         proc.process.kill()
