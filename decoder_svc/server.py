@@ -1,4 +1,12 @@
-"""decoder_svc entry point: `python -m decoder_svc` / `omni-serving decoder`."""
+"""decoder_svc entry point: `python -m decoder_svc` / `omni-serving decoder`.
+
+Health: the server as a whole ("") and ``SERVICE_NAME`` report readiness;
+``omni_common.liveness.LIVENESS_SERVICE`` reports liveness. A watchdog
+(``--stall-after-s``, ``--liveness-grace-s``; ``decoder_svc.stage.liveness``)
+judges every AR stage's decode loop by its progress: a stuck stage makes the
+decoder not ready (NOT_SERVING) until it moves again or is restarted; stuck
+past the grace, the liveness entry goes NOT_SERVING (restart me).
+"""
 
 from __future__ import annotations
 
@@ -8,15 +16,19 @@ import logging
 import os
 
 import grpc
+from grpc_health.v1 import health_pb2
 
 from decoder_svc import families, lengths
 from decoder_svc.pipeline import Pipeline
 from decoder_svc.profile import available_profiles, load_profile
 from decoder_svc.servicer import DecoderServicer
+from decoder_svc.stage.liveness import watch_stages
 from omni_common.errors import InvalidArgumentError, OmniError
+from omni_common.liveness import DEFAULT_FACTOR, LIVENESS_SERVICE, StallLimits, Stuck, Watchdog
 from omni_common.logging_setup import setup_logging
 from omni_common.metrics import start_metrics_server
-from omni_common.server import ServerConfig, run_server
+from omni_common.metrics_forward import FORWARDED, MergedRegistry
+from omni_common.server import HealthServicer, ServerConfig, serve, set_health
 from omni_common.shm_arena import ShmArena, sweep_stale
 from omni_serving.v1 import decoder_pb2, decoder_pb2_grpc
 
@@ -81,6 +93,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run each AR stage's engine in a process of its own (engines side by side, the "
                         "decode loops off this process's interpreter); auto = on with the vllm engine, "
                         "off with the fake one (default auto)")
+    p.add_argument("--stall-after-s", type=float, default=_env_float("OMNI_STALL_AFTER_S", 30.0),
+                   help="a decode loop with work waiting that makes no progress for this long (or for "
+                        f"{DEFAULT_FACTOR:g} of its recent steps, if longer) is stuck: a stage process is "
+                        "restarted, a loop in this process fails its requests and the decoder reports not "
+                        "ready (default 30)")
+    p.add_argument("--liveness-grace-s", type=float, default=_env_float("OMNI_LIVENESS_GRACE_S", 120.0),
+                   help=f"a part stuck this long makes the health entry {LIVENESS_SERVICE!r} NOT_SERVING "
+                        "(the supervisor restarts the decoder); at least --stall-after-s (default 120)")
     p.add_argument("--metrics-port", type=int, default=int(os.environ.get("OMNI_DECODER_METRICS_PORT", "-1")),
                    help="serve Prometheus /metrics on this port (0 = any free port, -1 = off)")
     p.add_argument("--metrics-host", default=os.environ.get("OMNI_METRICS_HOST", "127.0.0.1"))
@@ -105,6 +125,47 @@ def length_options(args: argparse.Namespace) -> lengths.Options:
         repetition_window_s=args.repetition_window_s,
         repetition_max_period=args.repetition_max_period,
     )
+
+
+def stall_limits(args: argparse.Namespace) -> StallLimits:
+    """The watchdog's limits from the options (InvalidArgumentError naming the option)."""
+    try:
+        return StallLimits(floor_s=args.stall_after_s, factor=DEFAULT_FACTOR, grace_s=args.liveness_grace_s)
+    except InvalidArgumentError as exc:
+        raise InvalidArgumentError(f"--{exc.field.replace('_', '-')}", str(exc).split(": ", 1)[-1]) from exc
+
+
+class HealthFromWatchdog:
+    """The watchdog's verdicts as gRPC health (called on the watchdog's thread):
+    readiness on the server's entries, liveness on ``LIVENESS_SERVICE``."""
+
+    def __init__(self, names: tuple[str, ...]) -> None:
+        self.names = names
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._health: HealthServicer | None = None
+
+    async def started(self, server: grpc.aio.Server, health: HealthServicer) -> None:
+        self._loop, self._health = asyncio.get_running_loop(), health
+        await health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
+
+    def __call__(self, ready: bool, live: bool, stuck: list[Stuck]) -> None:
+        loop, health = self._loop, self._health
+        if loop is None or health is None:
+            return
+        if not ready:
+            logger.error("not ready: %s", "; ".join(s.describe() for s in stuck))
+        else:
+            logger.warning("ready again: no part is stuck")
+        status = health_pb2.HealthCheckResponse.SERVING if live else health_pb2.HealthCheckResponse.NOT_SERVING
+
+        async def update() -> None:
+            await set_health(health, self.names, serving=ready)
+            await health.set(LIVENESS_SERVICE, status)
+
+        try:
+            asyncio.run_coroutine_threadsafe(update(), loop)
+        except RuntimeError:  # the loop has ended: the server is gone
+            pass
 
 
 def stage_processes_on(args: argparse.Namespace) -> bool:
@@ -167,8 +228,13 @@ def main(argv: list[str] | None = None) -> None:
     add_arguments(parser)
     args = parser.parse_args(argv)
     setup_logging(args.log_level, service="decoder")
+    try:
+        limits = stall_limits(args)
+    except InvalidArgumentError as exc:
+        raise SystemExit(f"decoder: {exc}") from exc
     profile = load_profile(args.profile)
-    start_metrics_server(args.metrics_port, args.metrics_host)
+    # its own series and its stage processes' (decoder_svc.stage.proxy forwards them)
+    start_metrics_server(args.metrics_port, args.metrics_host, MergedRegistry(FORWARDED))
     prefix = shm_prefix_for(args.deployment)
     sweep_stale(prefix)
     # the step arena: this process's, unless each stage process has its own
@@ -193,6 +259,12 @@ def main(argv: list[str] | None = None) -> None:
                 backend.close()
             raise SystemExit(f"decoder: {exc}") from exc
         pipeline.start()
+        config = ServerConfig(address=args.listen, service_name=SERVICE_NAME,
+                              reflection_service_names=[SERVICE_NAME])
+        health = HealthFromWatchdog(config.health_names)
+        watchdog = Watchdog(limits, on_change=health, name="decoder-watchdog")
+        watch_stages(pipeline, watchdog)
+        watchdog.start()
         servicer = DecoderServicer(pipeline, engine=args.engine, materializer_target=args.materializer)
 
         def register(server: grpc.aio.Server) -> None:
@@ -212,13 +284,10 @@ def main(argv: list[str] | None = None) -> None:
         async def on_shutdown() -> None:
             # Blocking joins (bounded: a few seconds at most, even with the
             # materializer dead): off the event loop.
+            watchdog.stop()
             await asyncio.to_thread(pipeline.stop)
 
-        run_server(
-            ServerConfig(address=args.listen, service_name=SERVICE_NAME, reflection_service_names=[SERVICE_NAME]),
-            register,
-            on_shutdown=on_shutdown,
-        )
+        asyncio.run(serve(config, register, on_shutdown=on_shutdown, on_started=health.started))
     finally:
         if arena is not None:
             arena.close()

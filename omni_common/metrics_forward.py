@@ -119,6 +119,11 @@ class Forwarded:
         return out
 
 
+FORWARDED = Forwarded()
+"""This process's store of its children's series (what its /metrics serves
+through `MergedRegistry(FORWARDED)`)."""
+
+
 class MergedRegistry:
     """What /metrics serves: this process's registry with the children's
     series merged into it by family (`generate_latest(MergedRegistry(...))`)."""

@@ -46,6 +46,8 @@ class ServiceProcess:
     healthy_at: float = 0.0  # ... and of its first healthy answer
     start_deadline: float = 0.0
     next_start: float = 0.0  # end of the backoff
+    next_liveness: float = 0.0  # when the launcher next checks its liveness entry (decoders)
+    not_live: int = 0  # NOT_SERVING answers of its liveness entry in a row
     # Process groups of earlier incarnations: {pgid: time.time() when its leader
     # was seen gone}. Only processes older than that are its members: once the
     # group is empty the number may be reused by an unrelated process.

@@ -60,6 +60,10 @@ class StackConfig:
     restart_backoff: float = 0.5
     restart_backoff_max: float = 10.0
     restart_reset: float = 30.0
+    # Liveness: every liveness_poll seconds the launcher checks each serving
+    # decoder's `omni_serving.liveness` health entry; NOT_SERVING twice in a
+    # row restarts it as after a crash. 0 = off.
+    liveness_poll: float = 3.0
     # Passed to the gateway as they are (empty = not passed).
     tls_cert: str = ""
     tls_key: str = ""
@@ -100,6 +104,8 @@ class StackConfig:
         ):
             if getattr(self, key) <= 0:
                 raise ConfigError(f"{key}: must be > 0 seconds, got {getattr(self, key)}")
+        if self.liveness_poll < 0:
+            raise ConfigError(f"liveness_poll: must be >= 0 seconds (0 = off), got {self.liveness_poll}")
         if self.restart_backoff_max < self.restart_backoff:
             raise ConfigError(
                 f"restart_backoff_max: {self.restart_backoff_max} is below "
@@ -252,6 +258,13 @@ UP_OPTIONS: tuple[UpOption, ...] = (
         "restart_reset",
         float,
         "seconds a restarted service must stay up for its failures to be forgotten",
+        metavar="S",
+    ),
+    UpOption(
+        "liveness_poll",
+        float,
+        "seconds between checks of each decoder's omni_serving.liveness health entry; "
+        "NOT_SERVING twice in a row restarts it as after a crash (0 = off)",
         metavar="S",
     ),
     UpOption(

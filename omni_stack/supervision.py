@@ -1,4 +1,4 @@
-"""Supervision: a service that exits on its own is restarted, one that keeps failing stops the stack.
+"""Supervision: a service that exits or stays stuck is restarted, one that keeps failing stops the stack.
 
 Each service moves through `ServiceProcess.state`:
 starting -> running -> (exits) -> backoff -> starting -> ... or failed.
@@ -14,6 +14,12 @@ starting -> running -> (exits) -> backoff -> starting -> ... or failed.
   does not within `startup_timeout` is killed and counts as a failure.
 - A service the launcher stopped itself (`stop_expected`, a failed rolling
   restart) is started again at once, without counting a failure.
+- A running decoder whose `omni_serving.liveness` health entry
+  (`omni_common.liveness`) answers NOT_SERVING in `NOT_LIVE_CHECKS` checks in
+  a row, one every `liveness_poll` seconds (0 = off), is killed and restarted
+  as after a crash, the log naming the reason. Only NOT_SERVING counts: an
+  answer that does not come (a busy service) or a decoder without the entry
+  is left to the other checks.
 
 Invariant: `Supervisor.poll_service` only notices and acts, it never waits
 longer than one short health check; the stack calls it for each service in
@@ -27,13 +33,46 @@ import signal
 import time
 from collections.abc import Callable
 
+import grpc
 import psutil
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from omni_common.liveness import LIVENESS_SERVICE
+from omni_common.server import client_target
 from omni_stack.commands import ServiceProcess
 from omni_stack.config import StackConfig
 from omni_stack.health import check_health
 from omni_stack.processes import describe_exit, members, signal_group, terminate_members
 from omni_stack.runtime import sweep_stale
+
+NOT_LIVE_CHECKS = 2
+"""NOT_SERVING answers of a decoder's liveness entry in a row that restart it."""
+
+LIVENESS_CHECK_TIMEOUT_S = 0.2
+"""The longest one liveness check waits (the supervisor's round never waits longer)."""
+
+
+def liveness_status(svc: ServiceProcess, timeout_s: float) -> str:
+    """`svc`'s `omni_serving.liveness` health answer ("SERVING", "NOT_SERVING",
+    ...), or "" when none came within `timeout_s` (or the entry is unknown)."""
+    try:
+        with grpc.insecure_channel(client_target(svc.target)) as channel:
+            resp = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=LIVENESS_SERVICE), timeout=timeout_s
+            )
+    except grpc.RpcError:
+        return ""
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+
+def count_not_live(status: str, not_live: int) -> int:
+    """The NOT_SERVING answers in a row after `status` (`NOT_LIVE_CHECKS`: restart);
+    an answer that did not come neither counts nor resets the count."""
+    if status == "NOT_SERVING":
+        return not_live + 1
+    if status == "":
+        return not_live
+    return 0
 
 
 class Supervisor:
@@ -50,8 +89,10 @@ class Supervisor:
         log: Callable[[str], None],
         spawn: Callable[[ServiceProcess], None],
         reap_orphans: Callable[[], None],
+        check_liveness: Callable[[ServiceProcess, float], str] = liveness_status,
     ) -> None:
         self.cfg = cfg
+        self._check_liveness = check_liveness
         self._log = log
         self._spawn = spawn
         self._reap_orphans = reap_orphans
@@ -71,7 +112,7 @@ class Supervisor:
             if code is None:
                 if svc.failures and now - svc.healthy_at >= self.cfg.restart_reset:
                     svc.failures = 0  # it has stayed up: its next crash starts a new count
-                return None
+                return self._check_live(svc, now)
             if svc.stop_expected:  # stopped by the launcher itself: start a fresh one now
                 svc.stop_expected = False
                 svc.dead_groups[svc.proc.pid] = time.time()
@@ -85,6 +126,7 @@ class Supervisor:
         if check_health(self.cfg, svc, 0.2) is None:
             svc.state = "running"
             svc.healthy_at = time.monotonic()
+            svc.not_live, svc.next_liveness = 0, svc.healthy_at + self.cfg.liveness_poll
             self._log(
                 f"{svc.name} is serving again (pid {svc.proc.pid}, healthy "
                 f"{svc.healthy_at - svc.started_at:.1f}s after its start)"
@@ -95,6 +137,26 @@ class Supervisor:
             svc.proc.wait()
             return self._crashed(svc, f"was not healthy within {self.cfg.startup_timeout:g}s", now)
         return None
+
+    def _check_live(self, svc: ServiceProcess, now: float) -> str | None:
+        """A running decoder: check its liveness entry when due; stuck in
+        `NOT_LIVE_CHECKS` checks in a row, kill it and restart it as after a crash."""
+        poll = self.cfg.liveness_poll
+        if svc.role != "decoder" or poll <= 0 or now < svc.next_liveness:
+            return None
+        assert svc.proc is not None
+        svc.next_liveness = now + poll
+        svc.not_live = count_not_live(self._check_liveness(svc, LIVENESS_CHECK_TIMEOUT_S), svc.not_live)
+        if svc.not_live < NOT_LIVE_CHECKS:
+            return None
+        svc.not_live = 0
+        self._log(
+            f"{svc.name} (pid {svc.proc.pid}) reports not live ({LIVENESS_SERVICE} NOT_SERVING "
+            f"in {NOT_LIVE_CHECKS} checks in a row, {poll:g}s apart): killing it"
+        )
+        signal_group(svc.proc.pid, signal.SIGKILL)
+        svc.proc.wait()
+        return self._crashed(svc, f"was stuck ({LIVENESS_SERVICE} NOT_SERVING)", now)
 
     def _crashed(self, svc: ServiceProcess, what: str, now: float) -> str | None:
         """`svc` exited without being asked to: schedule its restart or give up."""

@@ -44,6 +44,7 @@ import pytest
 import yaml
 
 from decoder_svc.profile import load_profile
+from omni_common.liveness import LIVENESS_SERVICE
 from omni_common.net import free_port
 from omni_stack.commands import service_commands, service_environment
 from omni_stack.config import StackConfig, default_value
@@ -461,6 +462,17 @@ def check_probes(objects) -> None:
         assert dec.get(probe, {}).get("grpc", {}).get("port") == dec_port, (
             f"decoder {probe}: {dec.get(probe)} (listens on {dec_port})"
         )
+    # readiness (and startup) on the overall entry; liveness on the liveness entry
+    for probe in ("startupProbe", "readinessProbe"):
+        assert dec[probe]["grpc"].get("service", "") == "", f"decoder {probe}: {dec[probe]}"
+    assert dec["livenessProbe"]["grpc"].get("service") == LIVENESS_SERVICE, (
+        f"decoder livenessProbe: {dec['livenessProbe']} (want service {LIVENESS_SERVICE!r})"
+    )
+    startup = dec["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 300, (
+        f"decoder startupProbe allows only {startup['periodSeconds'] * startup['failureThreshold']}s "
+        "for a model load"
+    )
     assert dec_port in [p["containerPort"] for p in dec["ports"]], (
         f"decoder: port {dec_port} not declared"
     )
@@ -769,6 +781,10 @@ def _set_configmap(o, key, value):
 BREAKAGES: dict[str, tuple[Callable[[dict], None], Callable[[dict], None]]] = {
     "decoder probe on another port": (
         lambda o: _decoder(o)["readinessProbe"]["grpc"].update(port=50053),
+        check_probes,
+    ),
+    "decoder liveness on readiness": (
+        lambda o: _decoder(o)["livenessProbe"]["grpc"].pop("service"),
         check_probes,
     ),
     "materializer probe on another socket": (

@@ -14,6 +14,12 @@ decode loop touches (``.assembly.build_stages``):
 - on the sync path (or the link's in-process fallback), the payloads built
   here.
 
+A reporter thread sends a ``Status`` every ``STATUS_INTERVAL_S``: with the
+decode loop's liveness (its turn count, advanced by the loop itself, so the
+count stops when the loop wedges while the reports go on) and, about once a
+second, a snapshot of this process's metrics but the families the decoder
+records itself (``PARENT_RECORDED``).
+
 It reports ``Ready`` (or ``StartFailed``), then serves the decoder's
 commands (``.messages``) until told to stop or until its command pipe closes
 (the decoder is gone). Commands that change requests (add, extend, abort)
@@ -36,12 +42,14 @@ import threading
 import time
 from typing import Any
 
+from decoder_svc import busy, metrics
 from decoder_svc.backend import RequestSpec
 from decoder_svc.busy import BUSY
 from decoder_svc.families import family_for
 from decoder_svc.spawned import pipe_sender
 from decoder_svc.stage.assembly import build_stages
 from decoder_svc.stage.messages import (
+    METRICS_EVERY,
     STATUS_INTERVAL_S,
     Abort,
     Add,
@@ -59,10 +67,28 @@ from decoder_svc.stage.messages import (
     Stop,
     WireError,
 )
+from omni_common import metrics_forward
 from omni_common.errors import OmniError
 from omni_serving.v1 import materializer_pb2
 
 logger = logging.getLogger(__name__)
+
+PARENT_RECORDED = frozenset(m._name for m in (
+    # the decoder records these from the status's observations and intervals
+    metrics.STEP_GAP, metrics.STEP_TIME, metrics.STEPS, busy.FORWARD_SECONDS, busy.OVERLAP_SECONDS,
+    # the decoder computes these over itself and every stage process
+    metrics.ACTIVE_REQUESTS, metrics.MATERIALIZER_LAG, metrics.SLOTS_IN_USE,
+    # the decoder's own parts (routing, code2wav): never set in a stage process
+    metrics.REPETITION_STOPS, metrics.STAGE_RESTARTS,
+))
+"""Families a stage process does not forward (the decoder has them already)."""
+PARENT_PREFIXES = ("omni_decoder_code2wav_",)
+"""... nor families named so (code2wav runs in the decoder and its workers)."""
+
+
+def metrics_snapshot() -> list:
+    """This process's series that the decoder does not have already."""
+    return [f for f in metrics_forward.snapshot(exclude=PARENT_RECORDED) if not f[0].startswith(PARENT_PREFIXES)]
 
 
 def _build_backend(spec: StageHostSpec):
@@ -202,7 +228,9 @@ class _StageHost:
         self.backend.abort(request_id)
         self._forget([request_id])
 
-    def status(self) -> Status:
+    def status(self, with_metrics: bool = False) -> Status:
+        """The stage's status; `with_metrics`: with a snapshot of this
+        process's metrics (the families the decoder does not record itself)."""
         runner, link, arena = self.runner, self.link, self.arena
         observations = []
         pending = runner.observations
@@ -219,6 +247,11 @@ class _StageHost:
             attachment=attachment.to_proto().SerializeToString() if attachment is not None else None,
             arena=((arena.name, arena.slot_bytes, arena.num_slots, arena.in_use, arena.peak_in_use)
                    if arena is not None else None),
+            turns=runner.progress.count,
+            busy=runner.has_work(),
+            pace_s=runner.progress.pace_s,
+            commands=runner.commands_taken,
+            metrics=metrics_snapshot() if with_metrics else None,
         )
 
     def stop(self) -> None:
@@ -289,9 +322,11 @@ def stage_main(spec: StageHostSpec, commands, events, parent: int) -> None:
     stop = threading.Event()
 
     def report() -> None:
+        reports = 0
         while not stop.wait(STATUS_INTERVAL_S):
+            reports += 1
             try:
-                status = host.status()
+                status = host.status(with_metrics=reports % METRICS_EVERY == 0)
             except Exception:  # noqa: BLE001 -- next time
                 logger.exception("stage %s: status failed", spec.stage)
                 continue
@@ -327,7 +362,7 @@ def stage_main(spec: StageHostSpec, commands, events, parent: int) -> None:
         stop.set()
         reporter.join(1)
         try:
-            send(host.status())
+            send(host.status(with_metrics=True))
         except Exception:  # noqa: BLE001 -- the last status is a nicety
             pass
         events.close()

@@ -28,8 +28,14 @@ stage -> decoder (the event pipe):
   requests ended with an error), :class:`FailAll` (a decode step failed:
   every request on the stage ends);
 - :class:`Status`, every ``STATUS_INTERVAL_S``: steps, the link's state, the
-  arena's, the step-time and step-gap observations (the decoder's metrics)
-  and the stage's forward-pass intervals (``decoder_svc.busy``).
+  arena's, the step-time and step-gap observations (the decoder's metrics),
+  the stage's forward-pass intervals (``decoder_svc.busy``), and the decode
+  loop's liveness: its turn count (advanced by the loop itself, so a wedged
+  loop's count stops while this report, from a thread of its own, goes on),
+  whether work waited for it, its recent pace and the commands it applied;
+  about once a second (``METRICS_EVERY`` reports), a snapshot of the
+  process's metrics (``omni_common.metrics_forward``) but the families the
+  decoder records itself from the observations (``PARENT_RECORDED``).
 
 An engine's refusal crosses as a :class:`WireError` and is raised on the
 decoder's side as the same ``omni_common.errors`` class (the gRPC code kept).
@@ -47,6 +53,9 @@ from omni_common.errors import OmniError
 
 STATUS_INTERVAL_S = 0.2
 """How often a stage process reports its status (steps, link, arena, metrics)."""
+
+METRICS_EVERY = 5
+"""A metrics snapshot rides on every this-many status reports (about once a second)."""
 
 
 @dataclass(frozen=True)
@@ -237,6 +246,14 @@ class Status:
     in_flight: int = 0
     attachment: bytes | None = None  # a serialized MaterializerAttachment
     arena: tuple[str, int, int, int, int] | None = None  # name, slot bytes, slots, in use, peak
+    # the decode loop's liveness (omni_common.liveness): turns taken, whether
+    # work waited at its last look, its recent time per turn, commands applied
+    turns: int = 0
+    busy: bool = False
+    pace_s: float | None = None
+    commands: int = 0
+    # a snapshot of the process's metrics (omni_common.metrics_forward), or None
+    metrics: list | None = None
 
 
 Event = Ready | StartFailed | Step | Reply | Fail | FailAll | Status

@@ -14,6 +14,21 @@ were on that stage, its arena segment is swept, and it is started again
 (waiting longer after each start that fails); requests given to it
 meanwhile are refused with UNAVAILABLE. A stage process ends when its
 decoder does (its command pipe closes).
+
+Liveness: ``progress`` follows the decode loop's turn count that the
+process reports in its ``Status`` (advanced by the loop itself, not by the
+reporting thread); work waits while requests are on the stage and the loop
+had work or has not applied every command sent to it. A watchdog
+(``omni_common.liveness``, wired by ``.liveness``) that finds the stage stuck
+calls ``kill_stuck``: the process is killed, its requests end with UNAVAILABLE
+naming how long it made no progress, and it is started again as after a crash.
+
+Metrics: the process's own series (its link's fallbacks and switches, ...)
+come in its ``Status`` about once a second and go to a ``Forwarded`` store
+(``omni_common.metrics_forward.FORWARDED`` by default) as the source
+``stage:<name>``, labelled ``stage="<name>"``; the decoder's /metrics serves
+them merged with its own. A process that ends is retired there: its counters
+carry over to the next process of the stage.
 """
 
 from __future__ import annotations
@@ -55,6 +70,8 @@ from decoder_svc.stage.messages import (
     WireError,
 )
 from omni_common.errors import OmniError, UnavailableError
+from omni_common.liveness import Progress
+from omni_common.metrics_forward import FORWARDED, Forwarded
 from omni_common.shm_arena import sweep_stale
 from omni_serving.v1 import materializer_pb2
 
@@ -91,6 +108,8 @@ class _Proc:
     outbox: queue.SimpleQueue = field(default_factory=queue.SimpleQueue)
     writer: threading.Thread | None = None
     reader: threading.Thread | None = None
+    posted: int = 0  # commands its decode loop applies (add, extend, abort), sent so far
+    stalled: str = ""  # why it was killed for making no progress ("" when it was not)
 
 
 class StageProcess:
@@ -111,8 +130,11 @@ class StageProcess:
     """
 
     def __init__(self, spec: StageHostSpec, *, start_timeout_s: float = 600.0,
-                 call_timeout_s: float = 120.0, embed_timeout_s: float = 900.0) -> None:
+                 call_timeout_s: float = 120.0, embed_timeout_s: float = 900.0,
+                 forwarded: Forwarded = FORWARDED) -> None:
         self.spec = spec
+        self.forwarded = forwarded
+        self.metrics_source = f"stage:{spec.stage}"
         self.config = spec.config
         self.name = spec.stage
         self.start_timeout_s = start_timeout_s
@@ -132,8 +154,10 @@ class StageProcess:
         self._failed_start: str = ""
         self._proc: _Proc | None = None
         self.restarts = 0
-        self._steps_before = 0  # steps and fallbacks of earlier processes of this stage
+        self._steps_before = 0  # steps, fallbacks and loop turns of earlier processes of this stage
         self._fallbacks_before = 0
+        self._turns_before = 0
+        self.progress = Progress(f"stage:{self.name}", self._has_work)
         self.gaps_s: collections.deque[float] = collections.deque(maxlen=100_000)
         self.step_times_s: collections.deque[float] = collections.deque(maxlen=100_000)
         # set by attach(): where steps and failures go
@@ -343,6 +367,30 @@ class StageProcess:
         with self._lock:
             return bool(self._live)
 
+    # -- liveness ---------------------------------------------------------------------
+    def _has_work(self) -> bool:
+        """Work waits for the stage's decode loop: requests are on the stage,
+        its process is ready, and its loop had work at its last report or
+        has not applied every command sent to it since."""
+        with self._lock:
+            proc, status = self._proc, self._status
+            if not self._live or proc is None or not self._ready.is_set():
+                return False
+            return bool(status.busy) or proc.posted > status.commands
+
+    def kill_stuck(self, seconds: float, limit_s: float) -> None:
+        """The watchdog's verdict (no progress for `seconds`, over its limit):
+        kill the process; the reader fails its requests (naming the stall) and
+        the stage restarts as after a crash."""
+        with self._lock:
+            proc = self._proc
+            if proc is None or self._stopping or not self._ready.is_set():
+                return
+            proc.stalled = f"made no progress for {seconds:.1f} s with work waiting (limit {limit_s:.1f} s)"
+        logger.error("stage %s: decode loop %s; killing its engine process (pid %d)",
+                     self.name, proc.stalled, proc.process.pid)
+        proc.process.kill()
+
     # -- status -----------------------------------------------------------------------
     @property
     def steps(self) -> int:
@@ -377,6 +425,9 @@ class StageProcess:
         """Queue a command for the current process (dropped when there is none)."""
         proc = self._proc
         if proc is not None:
+            if isinstance(msg, Add | Extend | Abort):
+                with self._lock:
+                    proc.posted += 1
             proc.outbox.put(msg)
 
     def _write_loop(self, proc: _Proc) -> None:
@@ -480,7 +531,13 @@ class StageProcess:
                 logger.error("stage %s could not start: %s", self.name, reason)
 
     def _take_status(self, status: Status) -> None:
-        self._status = status
+        with self._lock:
+            self._status = status
+        self.progress.set_count(self._turns_before + int(status.turns))
+        if status.pace_s is not None:
+            self.progress.pace_s = status.pace_s
+        if status.metrics is not None:
+            self.forwarded.update(self.metrics_source, {"stage": self.name}, status.metrics)
         for t_step, gap in status.observations:
             self.step_times_s.append(t_step)
             self.gaps_s.append(gap)
@@ -530,12 +587,17 @@ class StageProcess:
             self._ready.clear()
             self._steps_before += int(self._status.steps)
             self._fallbacks_before += int(self._status.fallback_steps)
+            self._turns_before += int(self._status.turns)
             self._status = Status()
             relaunch = was_ready and not stopping and not self._relaunching
             self._relaunching = self._relaunching or relaunch
+        ended = (f"stage {self.name} {proc.stalled}; its engine process was restarted" if proc.stalled
+                 else f"the engine process of stage {self.name} ended")
         for call in calls:
-            call.ok, call.value = False, UnavailableError(f"stage {self.name}'s engine process ended")
+            call.ok, call.value = False, UnavailableError(ended)
             call.done.set()
+        # its counters carry over to the next process; its gauges go
+        self.forwarded.retire(self.metrics_source)
         # its arena segment: its owner is gone (the flock went with it)
         sweep_stale(self.spec.shm_prefix)
         if stopping:
@@ -548,7 +610,7 @@ class StageProcess:
         metrics.INTERNAL_ERRORS.labels("stage").inc()
         logger.error("stage %s: engine process (pid %d) ended (%s); failing its %d request(s) and restarting it",
                      self.name, process.pid, how, len(lost))
-        self._fail(lost, UnavailableError(f"the engine process of stage {self.name} ended; the request was ended"))
+        self._fail(lost, UnavailableError(f"{ended}; the request was ended"))
         if relaunch:
             threading.Thread(target=self._relaunch, name=f"stage-{self.name}-restart", daemon=True).start()
 

@@ -9,7 +9,10 @@ the commands a stage process queues for it (``put_input``).
 
 No exception ends the loop: a failure ends the requests in flight with an
 error (``on_failure``; the log has the traceback) and the stage goes on
-serving. A decode step never waits for an arena slot longer than
+serving. Each turn of the loop (a step taken, or one that found nothing to
+run) advances ``progress`` (``omni_common.liveness``): a loop that wedges
+stops its counter while work waits, and the decoder's watchdog sees it.
+A decode step never waits for an arena slot longer than
 ``acquire_timeout_s``: without one the step is built in-process.
 """
 
@@ -31,6 +34,7 @@ from decoder_svc.link.materializer_link import MaterializerLink
 from decoder_svc.profile import StageConfig
 from decoder_svc.snapshot import SnapshotMeta, meta_of, step_tensors, take_snapshot
 from omni_common.errors import ResourceExhaustedError
+from omni_common.liveness import Progress
 from omni_common.materialize import LocalStep, build_local_step, sources_of
 from omni_common.shm_arena import ShmArena, SlotLease
 from omni_serving.v1 import materializer_pb2
@@ -105,6 +109,13 @@ class StageRunner:
         self.plan = config.plan()
         self.sources = sources_of(self.plan)
         self.steps = 0
+        # liveness: one advance per loop turn; work waits while the loop last
+        # found requests unfinished (recorded by the loop itself: the watchdog
+        # never calls into a backend that may be the part that wedged) or
+        # commands are queued
+        self._has_work = False
+        self.commands_taken = 0  # commands applied (a stage process reports it)
+        self.progress = Progress(f"stage:{config.name}", self.has_work)
         # (step time, gap) of each step, for a consumer that drains it (a stage process's status)
         self.observations: collections.deque[tuple[float, float]] | None = None
         # commands the loop applies between steps with `take_input` (a stage
@@ -135,6 +146,15 @@ class StageRunner:
         self.inbox.append(item)
         self.notify()
 
+    def has_work(self) -> bool:
+        """Whether something waits for the loop (cheap, any thread, never
+        calls the backend)."""
+        return self._has_work or bool(self.inbox)
+
+    def _wake_up(self) -> bool:
+        self._has_work = self.backend.has_unfinished()
+        return self._stop or bool(self.inbox) or self._has_work
+
     def stop(self) -> None:
         with self._wake:
             self._stop = True
@@ -148,15 +168,18 @@ class StageRunner:
         while True:
             try:
                 with self._wake:
-                    self._wake.wait_for(lambda: self._stop or bool(inbox) or self.backend.has_unfinished())
+                    self._wake.wait_for(self._wake_up)
                     if self._stop:
                         return
                 # requests' commands, between two steps, on this thread: none
                 # of them waits for the engine while steps follow each other
                 if inbox:
                     while inbox:
+                        self.commands_taken += 1
                         self.take_input(inbox.popleft())
-                    if not self.backend.has_unfinished():
+                    self._has_work = self.backend.has_unfinished()
+                    if not self._has_work:
+                        self.progress.advance(0.0)
                         continue
             except Exception as exc:  # noqa: BLE001 -- the stage keeps serving
                 self._failed(exc)
@@ -175,6 +198,9 @@ class StageRunner:
             except Exception as exc:  # noqa: BLE001 -- nothing partial goes out: the requests in flight fail loudly, the stage keeps serving
                 self._failed(exc)
                 continue
+            finally:
+                # one turn (a step, none to take, or a failure): the loop moves
+                self.progress.advance(time.perf_counter() - t0)
             t_launch = time.perf_counter()
             self.step_times_s.append(t_sampled - t0)
             self.gaps_s.append(t_launch - t_sampled)

@@ -1,0 +1,294 @@
+"""A stuck decode loop is caught (decoder_svc.stage.liveness, omni_common.liveness).
+
+- In the decoder's process: a fake engine whose step blocks on an Event
+  (``WedgingFakeBackend``, a test double) wedges the decode loop under load;
+  the watchdog fails its requests with UNAVAILABLE naming the stall, reports
+  not ready, then not live past the grace, and ready again once it moves.
+- In a stage process: SIGSTOP the talker's process under load (real
+  processes, pipes and shared memory; the fake engine): its requests end
+  with UNAVAILABLE naming the stall, the process is killed and started
+  again, new requests succeed.
+- The options: validated, the option named.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import signal
+import threading
+import time
+
+import pytest
+
+from decoder_svc.backend import RequestSpec
+from decoder_svc.pipeline import Pipeline
+from decoder_svc.profile import load_profile
+from decoder_svc.server import add_arguments, stall_limits
+from decoder_svc.stage.liveness import watch_stages
+from decoder_svc.testing.fake_engine import FakeBackend, fake_vocoder
+from omni_common.errors import InvalidArgumentError, UnavailableError
+from omni_common.liveness import StallLimits, Watchdog
+from omni_common.modality import OutputModality
+from omni_common.shm_arena import list_segments
+from tests.test_pipeline import Collector
+from tests.test_stage_processes import PREFIX, start
+
+
+class WedgingFakeBackend(FakeBackend):
+    """The fake engine (a test double) whose steps block on `release` from
+    its `wedge_at`-th step on, like a device call that never returns."""
+
+    def __init__(self, *, wedge_at: int, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.wedge_at = wedge_at
+        self.calls = 0
+        self.release = threading.Event()
+        self.wedged = threading.Event()
+
+    def step(self):
+        self.calls += 1
+        if self.calls >= self.wedge_at and not self.release.is_set():
+            self.wedged.set()
+            self.release.wait()
+        time.sleep(0.005)
+        return super().step()
+
+
+class ErrorCollector(Collector):
+    """A Collector that records a request's error (its sink gets an exception)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.errors: dict[str, BaseException] = {}
+
+    def sink_for(self, rid: str):
+        inner = super().sink_for(rid)
+
+        def sink(resp) -> None:
+            if isinstance(resp, BaseException):
+                with self.done:
+                    self.errors[rid] = resp
+                    self.finish[rid] = "error"
+                    self.done.notify_all()
+                return
+            inner(resp)
+
+        return sink
+
+
+def check_caught(message: str, floor_s: float) -> None:
+    """The error names the stall ("made no progress for 2.3 s with work waiting
+    (limit 2.0 s)"): at least the floor, caught at a look soon after the limit
+    (the limit follows the loop's recent pace: 20 of its turns, on a loaded
+    machine more than the floor)."""
+    m = re.search(r"made no progress for ([0-9.]+) s with work waiting \(limit ([0-9.]+) s\)", message)
+    assert m, f"no stall time and limit in {message!r}"
+    seconds, limit = float(m.group(1)), float(m.group(2))
+    assert limit >= floor_s and seconds >= limit, f"caught before the limit: {message}"
+    assert seconds - limit < 3.0, f"caught late: {message}"
+
+
+def wait_for(pred, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not pred():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def speak(pipeline: Pipeline, col: Collector, rid: str, seed: int) -> None:
+    pipeline.submit(RequestSpec(request_id=rid, prompt=f"speak {rid} for a while please", seed=seed,
+                                modality=OutputModality.AUDIO), col.sink_for(rid))
+
+
+def test_a_wedged_decode_loop_in_process_fails_its_requests_and_is_reported():
+    profile = load_profile("tts")
+    backend = WedgingFakeBackend(wedge_at=5, role="talker")
+    pipeline = Pipeline(profile, {"talker": backend}, vocoder=fake_vocoder(profile), shm_prefix="omni-livetest",
+                        materializer_target=None, arena=None)
+    changes: list[tuple[bool, bool]] = []
+    watchdog = Watchdog(StallLimits(floor_s=0.5, grace_s=1.5), interval_s=0.05,
+                        on_change=lambda ready, live, stuck: changes.append((ready, live)))
+    parts = watch_stages(pipeline, watchdog)
+    assert [p.name for p in parts] == ["stage:talker"], f"watched parts: {[p.name for p in parts]}"
+    pipeline.start()
+    watchdog.start()
+    col = ErrorCollector()
+    try:
+        for i in range(3):
+            speak(pipeline, col, f"w{i}", i)
+        assert backend.wedged.wait(10), "the fake engine never wedged"
+        col.wait(3, timeout=30)
+        assert set(col.errors) == {"w0", "w1", "w2"}, f"finished: {col.finish}, errors: {col.errors}"
+        for rid, err in col.errors.items():
+            assert isinstance(err, UnavailableError), f"{rid}: {type(err).__name__}: {err}"
+            assert "stage:talker made no progress for" in str(err), f"{rid}: {err}"
+            check_caught(str(err), 0.5)
+        assert not watchdog.ready, "a stuck decode loop left the decoder ready"
+        assert [s.name for s in watchdog.stuck()] == ["stage:talker"], f"stuck: {watchdog.stuck()}"
+        wait_for(lambda: not watchdog.live, 5, "stuck past the grace, the decoder stayed live")
+        # (a look delayed past the grace on a loaded machine reports both at once)
+        wait_for(lambda: (False, False) in changes, 5, f"not live never reported: {changes}")
+        assert changes[0][0] is False and changes[:2] in ([(False, True), (False, False)], [(False, False)]), (
+            f"health changes: {changes}"
+        )
+        # it moves again: ready and live; a new request is served
+        backend.release.set()
+        wait_for(lambda: watchdog.ready and watchdog.live, 5, "the loop moved but the decoder stayed not ready")
+        wait_for(lambda: changes[-1] == (True, True), 5, f"ready again never reported: {changes}")
+        speak(pipeline, col, "after", 9)
+        col.wait(4, timeout=30)
+        assert col.finish["after"] not in ("error",) and col.audio.get("after"), (col.finish, col.errors)
+    finally:
+        backend.release.set()
+        watchdog.stop()
+        pipeline.stop()
+
+
+@pytest.fixture
+def no_segments_left():
+    yield
+    assert list_segments(PREFIX) == [], "a stage process left its arena behind"
+
+
+def test_a_stopped_stage_process_is_killed_and_restarted(no_segments_left):
+    """SIGSTOP the talker's process while requests speak: they end with
+    UNAVAILABLE naming the stall, the process is killed and started again,
+    a new request succeeds; the watchdog is ready again."""
+    pipeline = start("tts", fake_factory="tests.fakes.stage_backends:SlowFakeBackend",
+                     fake_kwargs={"step_s": 0.05})
+    talker = pipeline.stage_processes["talker"]
+    watchdog = Watchdog(StallLimits(floor_s=2.0, grace_s=60.0), interval_s=0.1)
+    watch_stages(pipeline, watchdog)
+    watchdog.start()
+    col = ErrorCollector()
+    old_pid = talker.pid
+    stopped = False
+    try:
+        for i in range(4):
+            speak(pipeline, col, f"s{i}", i)
+        wait_for(lambda: talker.steps >= 3, 30, "the talker took no steps")
+        os.kill(old_pid, signal.SIGSTOP)
+        stopped = True
+        col.wait(4, timeout=60)
+        lost = sorted(col.errors)
+        assert lost, f"no request was on the stopped talker: {col.finish}"
+        for rid in lost:
+            err = col.errors[rid]
+            assert isinstance(err, UnavailableError), f"{rid}: {type(err).__name__}: {err}"
+            assert "stage talker made no progress for" in str(err), f"{rid}: {err}"
+            check_caught(str(err), 2.0)
+        wait_for(lambda: talker.ready and talker.pid not in (None, old_pid), 120, "the talker did not come back")
+        stopped = False
+        assert talker.restarts >= 1, f"restarts: {talker.restarts}"
+        speak(pipeline, col, "after", 9)
+        col.wait(len(col.finish) + 1, timeout=60)
+        assert col.finish["after"] not in ("error",) and col.audio.get("after"), (col.finish, col.errors)
+        wait_for(lambda: watchdog.ready, 5, "the watchdog still judges the restarted stage stuck")
+        assert watchdog.episodes == 1, f"stuck episodes: {watchdog.episodes}"
+    finally:
+        if stopped:
+            try:
+                os.kill(old_pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        watchdog.stop()
+        pipeline.stop()
+
+
+def _options(*argv: str) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    return p.parse_args(list(argv))
+
+
+def test_the_stall_options_are_validated_naming_the_option():
+    limits = stall_limits(_options("--stall-after-s", "2", "--liveness-grace-s", "10"))
+    assert (limits.floor_s, limits.grace_s, limits.factor) == (2.0, 10.0, 20.0), f"limits: {limits}"
+    assert stall_limits(_options()) == StallLimits(30.0, 20.0, 120.0), f"defaults: {stall_limits(_options())}"
+    with pytest.raises(InvalidArgumentError) as err:
+        stall_limits(_options("--stall-after-s", "0"))
+    assert err.value.field == "--stall-after-s", f"field: {err.value.field}"
+    with pytest.raises(InvalidArgumentError) as err:
+        stall_limits(_options("--stall-after-s", "30", "--liveness-grace-s", "5"))
+    assert err.value.field == "--liveness-grace-s", f"field: {err.value.field}"
+
+
+# -- the decoder as a process: gRPC health and statuses -------------------------------------
+
+
+def _stage_pid(decoder_pid: int, stage: str) -> int | None:
+    """The pid of `decoder_pid`'s stage process for `stage` (named in its title)."""
+    for task in os.listdir(f"/proc/{decoder_pid}/task"):
+        try:
+            with open(f"/proc/{decoder_pid}/task/{task}/children") as f:
+                children = [int(p) for p in f.read().split()]
+        except OSError:
+            continue
+        for pid in children:
+            try:
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    title = f.read().replace(b"\0", b" ").decode(errors="replace")
+            except OSError:
+                continue
+            if f"decoder stage {stage} " in title:
+                return pid
+    return None
+
+
+def _health(target: str, service: str) -> str:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(target) as ch:
+        resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+    return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+
+def stage_decoder(tmp, name: str, materializer_target: str, *extra: str):
+    """A decoder process (fake engine, tts) with its stage in a process of its own."""
+    from tests.test_link_faults import decoder
+
+    dec = decoder(tmp, name, materializer_target)
+    dec.argv += ["--stage-processes", "on", *extra]
+    return dec
+
+
+@pytest.mark.e2e
+def test_a_stopped_stage_process_of_a_serving_decoder_ends_its_calls_unavailable(tmp_path):
+    """Through gRPC: the liveness entry is SERVING; SIGSTOP the talker's
+    process while calls stream: they end UNAVAILABLE naming the stall, the
+    stage comes back (a new process), new calls succeed, the decoder stays live."""
+    import grpc
+
+    from tests.test_link_faults import batch, check_outputs, materializer
+
+    deployment = f"live{os.getpid()}"
+    mat = materializer(tmp_path, deployment).start()
+    dec = stage_decoder(tmp_path, deployment, mat.target, "--stall-after-s", "2", "--liveness-grace-s", "60")
+    try:
+        dec.start(timeout_s=120)
+        assert _health(dec.target, "omni_serving.liveness") == "SERVING", "the liveness entry is not SERVING"
+        assert _health(dec.target, "") == "SERVING", "the decoder is not ready"
+        talker = _stage_pid(dec.proc.pid, "talker")
+        assert talker is not None, "no talker stage process under the decoder"
+        calls = batch(dec.target, "s", 4, 2000)
+        wait_for(lambda: dec.steps() > 5, 60, "the talker took no steps")
+        os.kill(talker, signal.SIGSTOP)
+        for c in calls:
+            c.wait(60)
+        lost = [c for c in calls if c.error is not None]
+        assert lost, f"every call finished on a stopped talker: {[c.finish for c in calls]}"
+        for c in lost:
+            assert c.error.code() == grpc.StatusCode.UNAVAILABLE, f"{c.rid}: {c.error.code()} {c.error.details()}"
+            check_caught(c.error.details(), 2.0)
+        wait_for(lambda: "stage talker: restarted (pid" in dec.log_text(), 120, "the talker did not come back")
+        assert _stage_pid(dec.proc.pid, "talker") not in (None, talker), "the talker's process is the stopped one"
+        assert _health(dec.target, "") == "SERVING", "the decoder is not ready after the restart"
+        check_outputs(batch(dec.target, "after", 2, 60))
+        assert _health(dec.target, "omni_serving.liveness") == "SERVING", "a restarted stage left it not live"
+        assert "decode loop made no progress for" in dec.log_text(), dec.log_text()[-3000:]
+    finally:
+        dec.kill()
+        mat.kill()
