@@ -175,7 +175,9 @@ def speak_over_websocket(
                 if message.type is aiohttp.WSMsgType.BINARY:
                     audio += len(message.data)
                 else:
-                    events.append(json.loads(message.data)["type"])
+                    event = json.loads(message.data)
+                    # an error event carries its message, so a failure says why
+                    events.append(event["type"] if event["type"] != "error" else f"error: {event}")
             return ws.protocol, events, audio
 
     return asyncio.run(run())
