@@ -161,7 +161,7 @@ class Bench:
 
     def runner(self, impl: str, mode: str, hidden: torch.Tensor, emb0: torch.Tensor) -> Callable[[], torch.Tensor]:
         """A callable running one frame; returns its codes [n, G-1]."""
-        from decoder_svc.qwen3_omni.code_predictor import SamplingBatch
+        from decoder_svc.qwen3_omni.code_sampling import SamplingBatch
 
         n = hidden.shape[0]
         sampled = mode == "sampled"

@@ -175,7 +175,7 @@ def stage_processes_on(args: argparse.Namespace) -> bool:
 
 def _launch_stage_processes(args: argparse.Namespace, profile, model: str) -> dict:
     """One engine process per AR stage (decoder_svc.stage), ready."""
-    from decoder_svc.stage.proxy import launch_stages, stage_specs
+    from decoder_svc.stage.launch import launch_stages, stage_specs
 
     specs = stage_specs(
         profile,

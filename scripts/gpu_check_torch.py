@@ -34,7 +34,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from decoder_svc.qwen3_omni.code_predictor import CodePredictor, SamplingBatch, group_keys, uniforms  # noqa: E402
+from decoder_svc.qwen3_omni.code_predictor import CodePredictor  # noqa: E402
+from decoder_svc.qwen3_omni.code_sampling import SamplingBatch, group_keys, uniforms  # noqa: E402
 
 TINY = {"vocab_size": 2048, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
         "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64, "num_code_groups": 16,

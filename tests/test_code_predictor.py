@@ -31,15 +31,8 @@ import pytest
 import torch
 
 from bench.baselines.code_predictor_v0 import CodePredictor as PreviousCodePredictor
-from decoder_svc.qwen3_omni.code_predictor import (
-    CodePredictor,
-    SamplingBatch,
-    _GraphRunner,
-    group_keys,
-    row_tile,
-    sample,
-    uniforms,
-)
+from decoder_svc.qwen3_omni.code_predictor import CodePredictor, _GraphRunner, row_tile
+from decoder_svc.qwen3_omni.code_sampling import SamplingBatch, group_keys, sample, uniforms
 from decoder_svc.qwen3_omni.talker import TalkerRequestState, sampled_frame_codes
 from tests.fake_device import FakeDeviceMode, module_to_device, to_device, to_host
 

@@ -19,7 +19,8 @@ from decoder_svc.backend import RequestSpec
 from decoder_svc.busy import BUSY
 from decoder_svc.pipeline import Pipeline
 from decoder_svc.profile import load_profile
-from decoder_svc.stage.proxy import StageProcess, launch_stages, stage_specs
+from decoder_svc.stage.launch import launch_stages, stage_specs
+from decoder_svc.stage.proxy import StageProcess
 from decoder_svc.testing.fake_engine import fake_vocoder
 from materializer_svc.reference import ReferenceMaterializer
 from materializer_svc.registry import MaterializerConfig

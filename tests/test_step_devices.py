@@ -29,7 +29,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from fake_device import FakeDeviceMode, module_to_device, to_device, to_host  # noqa: E402
 
 from decoder_svc.backend import LazyDict, LazyList  # noqa: E402
-from decoder_svc.qwen3_omni.code_predictor import CodePredictor, SamplingBatch  # noqa: E402
+from decoder_svc.qwen3_omni.code_predictor import CodePredictor  # noqa: E402
+from decoder_svc.qwen3_omni.code_sampling import SamplingBatch  # noqa: E402
 from decoder_svc.qwen3_omni.talker import TalkerRequestState, sampled_frame_codes  # noqa: E402
 from decoder_svc.snapshot import meta_of, step_tensors, take_snapshot  # noqa: E402
 from decoder_svc.testing.standin_backend import StandinBackend  # noqa: E402

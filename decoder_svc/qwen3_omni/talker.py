@@ -36,7 +36,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .code_predictor import CodePredictor, SamplingBatch
+from .code_predictor import CodePredictor
+from .code_sampling import SamplingBatch
 
 __all__ = [
     "TALKER_ARCH",

@@ -1,4 +1,4 @@
-"""A stage process seen from the decoder (the parent side): ``StageProcess``, ``launch_stages``.
+"""A stage process seen from the decoder (the parent side): ``StageProcess``.
 
 vLLM keeps its forward context in module globals, so engines that share a
 process must take turns (``FORWARD_LOCK``): the thinker and the talker never
@@ -49,8 +49,8 @@ from typing import Any
 from decoder_svc import metrics
 from decoder_svc.backend import RequestSpec
 from decoder_svc.busy import BUSY
-from decoder_svc.profile import Profile
 from decoder_svc.spawned import start_with_threads
+from decoder_svc.stage.facts import ReportedFacts
 from decoder_svc.stage.host import stage_main
 from decoder_svc.stage.messages import (
     Abort,
@@ -112,7 +112,7 @@ class _Proc:
     stalled: str = ""  # why it was killed for making no progress ("" when it was not)
 
 
-class StageProcess:
+class StageProcess(ReportedFacts):
     """One AR stage run by a process of its own, seen from the decoder.
 
     It stands in the pipeline for both the stage's backend (``add_request``,
@@ -276,55 +276,7 @@ class StageProcess:
     def ready(self) -> bool:
         return self._ready.is_set()
 
-    # -- the backend's interface ------------------------------------------------------
-    def engine_facts(self) -> dict[str, Any]:
-        return dict(self._facts.engine_facts) if self._facts is not None else {}
-
-    def _fact(self, name: str) -> Any:
-        """A fact of the stage's engine as its process reported it; an
-        AttributeError when it did not (the reader's default then applies,
-        as for a backend without that attribute)."""
-        value = getattr(self._facts, name, None)
-        if value is None:
-            raise AttributeError(name)
-        return value
-
-    @property
-    def role(self) -> str:
-        return self._fact("role")
-
-    @property
-    def max_model_len(self) -> int:
-        return self._fact("max_model_len")
-
-    @property
-    def sampling_defaults(self) -> tuple[float, float, int]:
-        return self._fact("sampling_defaults")
-
-    @property
-    def model_name(self) -> str:
-        return self._fact("model_name")
-
-    @property
-    def num_codebooks(self) -> int:
-        return self._fact("num_codebooks")
-
-    @property
-    def codec_vocab(self) -> int:
-        return self._fact("codec_vocab")
-
-    @property
-    def streams_input(self) -> bool:
-        return self._fact("streams_input")
-
-    @property
-    def min_input_tokens(self) -> int:
-        return self._fact("min_input_tokens")
-
-    @property
-    def hidden_size(self) -> int:
-        return self._fact("hidden_size")
-
+    # -- the backend's interface (the engine's facts: .facts.ReportedFacts) ----------
     def add_request(self, spec: RequestSpec) -> None:
         """Start a request and wait for the engine's answer (its refusal is
         raised here, as the engine raised it)."""
@@ -638,36 +590,3 @@ class StageProcess:
         finally:
             with self._lock:
                 self._relaunching = False
-
-
-def launch_stages(specs: list[StageHostSpec], *, start_timeout_s: float = 600.0) -> dict[str, StageProcess]:
-    """Start one process per spec (the engines build side by side) and wait
-    until all are ready; the first that cannot start stops the others, and
-    its reason is raised (UnavailableError)."""
-    stages: dict[str, StageProcess] = {}
-    try:
-        for spec in specs:
-            stage = StageProcess(spec, start_timeout_s=start_timeout_s)
-            stages[spec.stage] = stage
-            stage.launch()
-        deadline = time.monotonic() + start_timeout_s
-        while not all(s.ready for s in stages.values()):
-            for stage in stages.values():
-                if not stage.ready:
-                    stage.check_start(deadline, start_timeout_s)
-            time.sleep(0.1)
-    except BaseException:
-        for stage in stages.values():
-            stage.stop()
-        raise
-    return stages
-
-
-def stage_specs(profile: Profile, **common: Any) -> list[StageHostSpec]:
-    """One spec per AR stage of the profile.
-
-    Each stage process keeps torch's default intra-op threads (every CPU):
-    a stage whose partner is idle (the thinker done with its replies, the
-    talker still speaking) gets the whole host; a fixed split would leave
-    a core idle then."""
-    return [StageHostSpec(profile=profile, stage=s.name, **common) for s in profile.ar_stages]

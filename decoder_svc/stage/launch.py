@@ -1,0 +1,48 @@
+"""Starting the AR stages' processes: ``stage_specs`` and ``launch_stages``.
+
+One ``StageHostSpec`` per AR stage of a profile, and one ``StageProcess``
+(``.proxy``) per spec, started side by side (the engines build at the same
+time); the first that cannot start stops the others.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from decoder_svc.profile import Profile
+from decoder_svc.stage.messages import StageHostSpec
+from decoder_svc.stage.proxy import StageProcess
+
+
+def launch_stages(specs: list[StageHostSpec], *, start_timeout_s: float = 600.0) -> dict[str, StageProcess]:
+    """Start one process per spec (the engines build side by side) and wait
+    until all are ready; the first that cannot start stops the others, and
+    its reason is raised (UnavailableError)."""
+    stages: dict[str, StageProcess] = {}
+    try:
+        for spec in specs:
+            stage = StageProcess(spec, start_timeout_s=start_timeout_s)
+            stages[spec.stage] = stage
+            stage.launch()
+        deadline = time.monotonic() + start_timeout_s
+        while not all(s.ready for s in stages.values()):
+            for stage in stages.values():
+                if not stage.ready:
+                    stage.check_start(deadline, start_timeout_s)
+            time.sleep(0.1)
+    except BaseException:
+        for stage in stages.values():
+            stage.stop()
+        raise
+    return stages
+
+
+def stage_specs(profile: Profile, **common: Any) -> list[StageHostSpec]:
+    """One spec per AR stage of the profile.
+
+    Each stage process keeps torch's default intra-op threads (every CPU):
+    a stage whose partner is idle (the thinker done with its replies, the
+    talker still speaking) gets the whole host; a fixed split would leave
+    a core idle then."""
+    return [StageHostSpec(profile=profile, stage=s.name, **common) for s in profile.ar_stages]
