@@ -156,3 +156,19 @@ def test_materializer_step_error_for_a_bug_is_internal_with_an_id(caplog) -> Non
     client = error_response(snap, InvalidArgumentError("snapshot.hidden_states", "bad dtype")).error
     assert client.code == grpc.StatusCode.INVALID_ARGUMENT.value[0], client
     assert client.message == "snapshot.hidden_states: bad dtype", client.message
+
+
+def test_a_stage_process_sends_a_bug_as_internal_and_a_client_mistake_as_it_was() -> None:
+    """What crosses a stage process's pipe: a bug becomes INTERNAL with the
+    message its log record's id names (no class name, no text of ours); a
+    client mistake keeps its class, field and message."""
+    from decoder_svc.stage.messages import WireError
+
+    bug = WireError.of(KeyError("talker.secret_path"), "internal error (error id abc); the server log has it")
+    rebuilt = bug.rebuild()
+    assert rebuilt.code == grpc.StatusCode.INTERNAL
+    assert "secret_path" not in str(rebuilt) and "KeyError" not in str(rebuilt), rebuilt
+    assert "error id abc" in str(rebuilt)
+    mistake = WireError.of(InvalidArgumentError("sampling_params.top_k", "must be >= 0, got -1")).rebuild()
+    assert isinstance(mistake, InvalidArgumentError) and mistake.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert mistake.field == "sampling_params.top_k" and "must be >= 0" in str(mistake), mistake

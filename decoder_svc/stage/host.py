@@ -68,7 +68,7 @@ from decoder_svc.stage.messages import (
     WireError,
 )
 from omni_common import metrics_forward
-from omni_common.errors import OmniError
+from omni_common.errors import OmniError, log_internal
 from omni_serving.v1 import materializer_pb2
 
 logger = logging.getLogger(__name__)
@@ -190,17 +190,17 @@ class _StageHost:
         try:
             value = fn(*args)
         except BaseException as exc:  # noqa: BLE001 -- the decoder gets the error
-            if not isinstance(exc, OmniError):
-                logger.exception("stage %s: a command failed", self.config.name)
-            error = WireError.of(exc)
+            internal = "" if isinstance(exc, OmniError) else log_internal(
+                logger, f"stage {self.config.name}: a command", exc)
+            error = WireError.of(exc, internal)
             self._send(Reply(call_id, error=error) if call_id else Fail([rid], "", error))
             return
         if call_id:
             try:
                 self._send(Reply(call_id, value))
             except Exception as exc:  # noqa: BLE001 -- an answer that cannot be sent is an error
-                logger.exception("stage %s: an answer could not be sent", self.config.name)
-                self._send(Reply(call_id, error=WireError.of(exc)))
+                internal = log_internal(logger, f"stage {self.config.name}: sending an answer", exc)
+                self._send(Reply(call_id, error=WireError.of(exc, internal)))
 
     def refuse_pending(self) -> None:
         """Stopping: answer the commands still queued (their requests end)."""

@@ -100,10 +100,12 @@ class WireError:
     message: str
 
     @classmethod
-    def of(cls, exc: BaseException) -> WireError:
+    def of(cls, exc: BaseException, internal: str = "") -> WireError:
         """An OmniError as its nearest class of ``omni_common.errors`` (the
         gRPC code is kept), field and message; other errors travel as an
-        internal error (the stage process logs their traceback)."""
+        internal error with ``internal`` as its message (the stage process
+        logs their traceback under the error id that message names:
+        ``omni_common.errors.log_internal``)."""
         if isinstance(exc, OmniError):
             kind = next(c.__name__ for c in type(exc).__mro__
                         if issubclass(c, OmniError) and getattr(errors, c.__name__, None) is c)
@@ -112,7 +114,7 @@ class WireError:
             if field_ and msg.startswith(f"{field_}: "):
                 msg = msg[len(field_) + 2:]
             return cls(kind, field_, msg)
-        return cls("OmniError", "", f"the stage could not take the request ({type(exc).__name__})")
+        return cls("OmniError", "", internal or "the stage could not take the request (internal error)")
 
     def rebuild(self) -> OmniError:
         cls = getattr(errors, self.kind, OmniError)
