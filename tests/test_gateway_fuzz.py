@@ -31,7 +31,8 @@ Also: 1,000 random and mutated JSON bodies to the HTTP facade (never a
 
 Counts: 10,000 gateway requests (in batches of 1,000) and 10,000 snapshots
 (about 150 s and 40 s on two busy cores). With CI=true the gateway requests
-stop early if the next batch would take them past 3 minutes;
+stop early if the next batch would take them past 90 s, and the materializer
+gets 3,000 snapshots;
 ``OMNI_SOAK_FULL=1`` runs the full count there too (``test_fuzz_gateway_requests_soak``,
 marked ``soak``). OMNI_FUZZ_EXAMPLES=N sets every
 count (a quick local run).
@@ -86,8 +87,11 @@ FULL_REQUESTS = 10_000
 FULL_SNAPSHOTS = 10_000
 HTTP_REQUESTS = 1_000
 BATCH = 1_000
-CI_BUDGET_S = 180.0
+CI_BUDGET_S = 90.0
 """Under CI=true the gateway requests stop before a batch would take the run past this."""
+CI_SNAPSHOTS = 3_000
+"""Under CI=true (without OMNI_SOAK_FULL=1) the materializer gets this many snapshots."""
+SOAK_FULL = os.environ.get("OMNI_SOAK_FULL") == "1"
 _OVERRIDE = int(os.environ.get("OMNI_FUZZ_EXAMPLES", "0"))
 
 
@@ -1004,4 +1008,4 @@ def fuzz_materializer(target: str, prefix: str, proc: Proc, examples: int) -> No
 @pytest.mark.timeout(900)
 def test_fuzz_materializer_snapshots(materializer) -> None:
     target, prefix, proc = materializer
-    fuzz_materializer(target, prefix, proc, examples(FULL_SNAPSHOTS))
+    fuzz_materializer(target, prefix, proc, examples(CI_SNAPSHOTS if CI and not SOAK_FULL else FULL_SNAPSHOTS))
