@@ -33,7 +33,7 @@ from omni_common.liveness import StallLimits, Watchdog
 from omni_common.modality import OutputModality
 from omni_common.shm_arena import list_segments
 from tests.test_pipeline import Collector
-from tests.test_stage_processes import PREFIX, start
+from tests.test_stage_processes import PREFIX, ErrorCollector, start
 
 
 class WedgingFakeBackend(FakeBackend):
@@ -54,28 +54,6 @@ class WedgingFakeBackend(FakeBackend):
             self.release.wait()
         time.sleep(0.005)
         return super().step()
-
-
-class ErrorCollector(Collector):
-    """A Collector that records a request's error (its sink gets an exception)."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.errors: dict[str, BaseException] = {}
-
-    def sink_for(self, rid: str):
-        inner = super().sink_for(rid)
-
-        def sink(resp) -> None:
-            if isinstance(resp, BaseException):
-                with self.done:
-                    self.errors[rid] = resp
-                    self.finish[rid] = "error"
-                    self.done.notify_all()
-                return
-            inner(resp)
-
-        return sink
 
 
 def check_caught(message: str, floor_s: float) -> None:
