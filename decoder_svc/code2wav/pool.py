@@ -48,8 +48,9 @@ that its loop has not handled, or its loop did not wait for items at its last
 report (a chunk to decode). A watchdog (``omni_common.liveness``, wired by
 ``decoder_svc.stage.liveness``) that finds it stuck calls ``kill_stuck``:
 the process is killed, the requests pinned to it end with UNAVAILABLE naming
-the stall ("code2wav worker 0 made no progress for 2.1 s with work waiting
-(limit 2.0 s); ..."), and it is restarted as after a crash.
+the stall ("code2wav worker 0 of the request made no progress for 2.1 s
+with work waiting (limit 2.0 s); it was restarted"), and it is restarted as
+after a crash.
 
 Metrics: the series a worker sets in its own registry (the vocoder's time
 per chunk, ``omni_decoder_code2wav_chunk_seconds``; ``.worker.worker_metrics``)
