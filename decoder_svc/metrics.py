@@ -117,3 +117,11 @@ CODE2WAV_FIRST_CHUNK_WAIT = Histogram(
     "completed it at its worker to the start of its decode",
     buckets=(1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
 )
+# set where the vocoder runs: on the decoder's thread, or in a code2wav worker
+# process, whose series reach the decoder's /metrics labelled stage="code2wav"
+# and worker="<index>" (decoder_svc.code2wav.pool)
+CODE2WAV_CHUNK_SECONDS = Histogram(
+    "omni_decoder_code2wav_chunk_seconds",
+    "Time the vocoder took to decode one code2wav chunk",
+    buckets=(1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+)

@@ -48,7 +48,7 @@ from decoder_svc.snapshot import SnapshotMeta
 from decoder_svc.stage.assembly import build_stages, decide, uses_link
 from decoder_svc.stage.proxy import StageProcess
 from decoder_svc.stage.runner import StageRunner
-from omni_common.errors import InvalidArgumentError, OmniError
+from omni_common.errors import InvalidArgumentError, OmniError, UnavailableError
 from omni_common.modality import OutputModality
 from omni_common.shm_arena import ShmArena
 from omni_serving.v1 import decoder_pb2
@@ -291,9 +291,15 @@ class Pipeline:
                                         "the request was ended"))
 
     def _fail_audio(self, request_id: str, exc: BaseException) -> None:
-        """code2wav failed for a request: end it."""
-        self._fail_requests([request_id],
-                            OmniError("audio generation failed; the request was ended"))
+        """code2wav failed for a request: end it. Its worker process was lost
+        (it ended, or was killed for making no progress: UnavailableError,
+        whose message says which): UNAVAILABLE naming that; any other
+        failure: INTERNAL, its cause only in the log."""
+        if isinstance(exc, UnavailableError):
+            error: OmniError = UnavailableError(f"audio generation failed: {exc}; the request was ended")
+        else:
+            error = OmniError("audio generation failed; the request was ended")
+        self._fail_requests([request_id], error)
 
     def _fail_requests(self, request_ids: list[str], error: OmniError) -> None:
         """End these requests (those still running) with `error` and free them

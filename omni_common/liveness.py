@@ -129,6 +129,12 @@ class _Watch:
     stuck: bool = False
 
 
+def no_progress(seconds: float, limit_s: float) -> str:
+    """How a stuck part's requests are told why they ended (the words every
+    part uses: "made no progress for 2.3 s with work waiting (limit 2.0 s)")."""
+    return f"made no progress for {seconds:.1f} s with work waiting (limit {limit_s:.1f} s)"
+
+
 @dataclass(frozen=True)
 class Stuck:
     """A part that has not moved while work waited."""

@@ -68,6 +68,23 @@ def check_caught(message: str, floor_s: float) -> None:
     assert seconds - limit < 3.0, f"caught late: {message}"
 
 
+def check_ended_by_stall(calls, timeout_s: float, naming: str, floor_s: float) -> list:
+    """Wait for the gRPC `calls` (tests.test_link_faults.Call); at least one
+    failed, and each that failed ended UNAVAILABLE with `naming` and the stall
+    (``check_caught``) in its message. The calls that failed."""
+    import grpc
+
+    for c in calls:
+        c.wait(timeout_s)
+    lost = [c for c in calls if c.error is not None]
+    assert lost, f"every call finished with the part stopped: {[c.finish for c in calls]}"
+    for c in lost:
+        assert c.error.code() == grpc.StatusCode.UNAVAILABLE, f"{c.rid}: {c.error.code()} {c.error.details()}"
+        assert naming in c.error.details(), f"{c.rid}: {naming!r} not in {c.error.details()!r}"
+        check_caught(c.error.details(), floor_s)
+    return lost
+
+
 def wait_for(pred, timeout: float, what: str) -> None:
     deadline = time.monotonic() + timeout
     while not pred():
@@ -238,8 +255,6 @@ def test_a_stopped_stage_process_of_a_serving_decoder_ends_its_calls_unavailable
     """Through gRPC: the liveness entry is SERVING; SIGSTOP the talker's
     process while calls stream: they end UNAVAILABLE naming the stall, the
     stage comes back (a new process), new calls succeed, the decoder stays live."""
-    import grpc
-
     from tests.test_link_faults import batch, check_outputs, materializer
 
     deployment = f"live{os.getpid()}"
@@ -254,13 +269,7 @@ def test_a_stopped_stage_process_of_a_serving_decoder_ends_its_calls_unavailable
         calls = batch(dec.target, "s", 4, 2000)
         wait_for(lambda: dec.steps() > 5, 60, "the talker took no steps")
         os.kill(talker, signal.SIGSTOP)
-        for c in calls:
-            c.wait(60)
-        lost = [c for c in calls if c.error is not None]
-        assert lost, f"every call finished on a stopped talker: {[c.finish for c in calls]}"
-        for c in lost:
-            assert c.error.code() == grpc.StatusCode.UNAVAILABLE, f"{c.rid}: {c.error.code()} {c.error.details()}"
-            check_caught(c.error.details(), 2.0)
+        check_ended_by_stall(calls, 60, "stage talker made no progress for", 2.0)
         wait_for(lambda: "stage talker: restarted (pid" in dec.log_text(), 120, "the talker did not come back")
         assert _stage_pid(dec.proc.pid, "talker") not in (None, talker), "the talker's process is the stopped one"
         assert _health(dec.target, "") == "SERVING", "the decoder is not ready after the restart"

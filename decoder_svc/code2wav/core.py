@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 
+from decoder_svc import metrics
 from decoder_svc.code2wav.chunking import SAMPLE_RATE_HZ, ChunkState
 from decoder_svc.spawned import call_factory
 from omni_common.errors import InvalidArgumentError
@@ -118,6 +119,10 @@ class Code2WavCore:
         # request's first (from the arrival of the frames that completed it
         # to the start of its decode), else None
         self.first_wait: float | None = None
+        # of the chunk being emitted: how long the vocoder took (0 for the
+        # empty last of a request without frames); also observed in
+        # omni_decoder_code2wav_chunk_seconds
+        self.decode_s = 0.0
 
     def has(self, request_id: str) -> bool:
         return request_id in self._requests
@@ -177,8 +182,12 @@ class Code2WavCore:
             self._requests.pop(rid, None)
         if start is None:
             audio = np.zeros(0, dtype=np.float32)
+            self.decode_s = 0.0
         else:
+            t0 = time.perf_counter()
             audio = r.state.decode(start, end)
+            self.decode_s = time.perf_counter() - t0
+            metrics.CODE2WAV_CHUNK_SECONDS.observe(self.decode_s)
             self.chunks += 1
         self.first_wait = wait
         try:

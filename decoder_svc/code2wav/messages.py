@@ -18,7 +18,13 @@ worker -> decoder, one per pipe write:
   the worker's ready chunks and the chunk's first-chunk wait;
 - :class:`Error`: a request failed in the worker (the decoder fails it and
   logs the worker's traceback);
-- :class:`Queue`: the worker's ready chunks changed while it was idle.
+- :class:`Queue`: the worker's ready chunks changed while it was idle;
+- :class:`Status`, from a reporter thread every ``STATUS_INTERVAL_S`` when
+  something changed: the decode loop's liveness (chunks decoded, items
+  handled, whether it waits for items: all set by the loop itself, so they
+  stop when it wedges while the reports go on), its recent time per chunk, and about once a second
+  (``METRICS_EVERY`` reports) a snapshot of the worker's own metrics
+  (``omni_common.metrics_forward``) when it changed.
 
 Each side dispatches on the class; nothing travels as a tagged tuple.
 Plain values and numpy arrays only: the messages are pickled.
@@ -29,6 +35,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import numpy as np
+
+STATUS_INTERVAL_S = 0.2
+"""How often a worker's reporter looks for news to send (a ``Status``)."""
+METRICS_EVERY = 5
+"""A metrics snapshot is considered on every this-many looks (about once a second)."""
 
 # -- decoder -> worker ----------------------------------------------------------------------
 
@@ -118,4 +129,13 @@ class Queue:
     queued: int
 
 
-Event = Ready | Released | Audio | Error | Queue
+@dataclass(frozen=True)
+class Status:
+    turns: int  # chunks the decode loop decoded (its liveness count)
+    taken: int  # items (frames, finish, abort) the decode loop took from its inbox and handled
+    waiting: bool  # the loop waits for items (nothing ready to decode)
+    pace_s: float | None  # its recent time per chunk (None: none decoded yet)
+    metrics: list | None = None  # a snapshot of the worker's metrics (omni_common.metrics_forward), or None
+
+
+Event = Ready | Released | Audio | Error | Queue | Status

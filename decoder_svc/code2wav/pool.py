@@ -39,10 +39,32 @@ exits (SIGKILL included) fails only the requests pinned to it
 are served by the new process. A restart that cannot start its process
 fails the requests pinned to it meanwhile and is retried, waiting longer
 each time.
+
+Liveness: each worker index has a ``Progress`` (``progress[index]``, part
+``code2wav:<index>``) whose count follows the chunks the worker's decode loop
+reports having decoded (``.messages.Status``: counted by the loop, not by the
+reporting thread); work waits while the worker is ready and has items sent
+that its loop has not handled, or its loop did not wait for items at its last
+report (a chunk to decode). A watchdog (``omni_common.liveness``, wired by
+``decoder_svc.stage.liveness``) that finds it stuck calls ``kill_stuck``:
+the process is killed, the requests pinned to it end with UNAVAILABLE naming
+the stall ("code2wav worker 0 of the request made no progress for 2.1 s
+with work waiting (limit 2.0 s); it was restarted"), and it is restarted as
+after a crash.
+
+Metrics: the series a worker sets in its own registry (the vocoder's time
+per chunk, ``omni_decoder_code2wav_chunk_seconds``; ``.worker.worker_metrics``)
+come in its ``Status`` about once a second when they changed and go to a
+``Forwarded`` store (``omni_common.metrics_forward.FORWARDED`` by default) as
+the source ``code2wav:<index>``, labelled ``stage="code2wav"`` and
+``worker="<index>"``; the decoder's /metrics serves them merged with its own.
+A worker that ends is retired there: its counters carry over to the next
+process of its index.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import multiprocessing
 import queue
@@ -68,10 +90,13 @@ from decoder_svc.code2wav.messages import (
     Ready,
     Released,
     ShmFrames,
+    Status,
     Stop,
 )
 from decoder_svc.code2wav.worker import worker_main
-from omni_common.errors import InvalidArgumentError, UnavailableError
+from omni_common.errors import InvalidArgumentError, OmniError, UnavailableError
+from omni_common.liveness import Progress, no_progress
+from omni_common.metrics_forward import FORWARDED, Forwarded
 from omni_common.shm_arena import ShmArena
 
 logger = logging.getLogger(__name__)
@@ -94,6 +119,11 @@ class _Worker:
     load: int = 0  # requests pinned to it
     slots: set[tuple[int, int]] = field(default_factory=set)  # (slot, generation) not yet read
     queued: int = 0  # chunks ready in it and not yet decoded, as it last said
+    sent: int = 0  # items (frames, finish, abort) put to it
+    taken: int = 0  # items its decode loop handled, as it last said
+    waiting: bool = True  # its decode loop waited for items (nothing to decode), as it last said
+    turns: int = 0  # chunks its decode loop decoded, as it last said
+    stalled: str = ""  # why it was killed for making no progress ("" when it was not)
     sender: threading.Thread | None = None
     reader: threading.Thread | None = None
 
@@ -125,11 +155,13 @@ class Code2WavProcessPool:
         slot_wait_s: float = 0.002,
         torch_threads: int = 1,
         stop_timeout_s: float = 2.0,
+        forwarded: Forwarded = FORWARDED,
     ) -> None:
         """config: the generation stage (chunk ramp and size). vocoder: the
         parent's vocoder (its codebook facts); spec: how workers rebuild it
         (default ``vocoder.worker_spec()``). slot_wait_s: the longest
-        ``frames`` waits for a free slot before sending the bytes inline."""
+        ``frames`` waits for a free slot before sending the bytes inline.
+        forwarded: where the workers' metrics go (see the module docstring)."""
         if workers < 1:
             raise InvalidArgumentError("code2wav_workers", f"must be >= 1 for worker processes, got {workers}")
         self.config = config
@@ -146,6 +178,9 @@ class Code2WavProcessPool:
         self.slot_wait_s = slot_wait_s
         self.torch_threads = torch_threads
         self.stop_timeout_s = stop_timeout_s
+        self.forwarded = forwarded
+        # one per worker index, across its restarts (see the module docstring)
+        self.progress = [Progress(f"code2wav:{i}", functools.partial(self._has_work, i)) for i in range(workers)]
         self.chunks = 0
         self.restarts = 0
         self.inline_fallbacks = 0
@@ -256,6 +291,7 @@ class Code2WavProcessPool:
             w.alive = False
             self._set_queued(w, 0)
             self._close_pipes(w)
+            self.forwarded.retire(self._metrics_source(w.index))
         if self.arena is not None:
             self.arena.close()
 
@@ -296,7 +332,7 @@ class Code2WavProcessPool:
                 send = True
                 if lease is not None:
                     w.slots.add((lease.slot, lease.generation))
-                w.sendq.put(Frames(request_id, voice, ref, first))
+                self._post(w, Frames(request_id, voice, ref, first))
         if not send and lease is not None:
             self.arena.release(lease.slot, lease.generation)
 
@@ -308,7 +344,7 @@ class Code2WavProcessPool:
             pin = self._pins.get(request_id)
             if pin is not None and pin.worker is w and w.alive and not pin.failed:
                 pin.finishing = True
-                w.sendq.put(Finish(request_id, voice, reason))
+                self._post(w, Finish(request_id, voice, reason))
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -316,7 +352,55 @@ class Code2WavProcessPool:
             # failed by its worker (still alive): the worker drops the id's
             # later items until this abort
             if pin is not None and pin.worker.alive:
-                pin.worker.sendq.put(Abort(request_id))
+                self._post(pin.worker, Abort(request_id))
+
+    @staticmethod
+    def _post(w: _Worker, msg: Frames | Finish | Abort) -> None:
+        """(under the lock) Queue an item for w's decode loop."""
+        w.sent += 1
+        w.sendq.put(msg)
+
+    # -- liveness ------------------------------------------------------------------
+    def _has_work(self, index: int) -> bool:
+        """Work waits for the decode loop of worker `index`: it is ready, and
+        it has items sent that its loop has not handled, or its loop did not
+        wait for items at its last report."""
+        with self._lock:
+            if self._stopping or index >= len(self._workers):
+                return False
+            w = self._workers[index]
+            if not w.alive or not w.ready.is_set():
+                return False
+            return w.sent > w.taken or not w.waiting
+
+    def kill_stuck(self, index: int, seconds: float, limit_s: float) -> None:
+        """The watchdog's verdict on worker `index` (no progress for `seconds`,
+        over its limit): kill its process; its reader fails the requests
+        pinned to it (naming the stall) and restarts it as after a crash."""
+        with self._lock:
+            w = self._workers[index] if index < len(self._workers) else None
+            if w is None or self._stopping or not w.alive or not w.ready.is_set() or w.process is None:
+                return
+            w.stalled = no_progress(seconds, limit_s)
+        logger.error("code2wav worker %d %s; killing it (pid %d)", w.index, w.stalled, w.process.pid)
+        w.process.kill()
+
+    def _take_status(self, w: _Worker, status: Status) -> None:
+        """w's decode loop as it last reported; its metrics to the store."""
+        with self._lock:
+            turns, w.turns = status.turns - w.turns, status.turns
+            w.taken, w.waiting = status.taken, status.waiting
+        progress = self.progress[w.index]
+        progress.set_count(progress.count + turns)
+        if status.pace_s is not None:
+            progress.pace_s = status.pace_s
+        if status.metrics is not None:
+            self.forwarded.update(self._metrics_source(w.index), {"stage": "code2wav", "worker": str(w.index)},
+                                  status.metrics)
+
+    @staticmethod
+    def _metrics_source(index: int) -> str:
+        return f"code2wav:{index}"
 
     # -- routing -----------------------------------------------------------------
     def _unpin(self, request_id: str) -> _Pin | None:
@@ -448,9 +532,11 @@ class Code2WavProcessPool:
                         metrics.INTERNAL_ERRORS.labels("code2wav").inc()
                         logger.error("code2wav failed for request %s (worker %d): %s; failing it\n%s",
                                      rid, w.index, text, trace.rstrip())
-                        self._fail(rid, UnavailableError(f"code2wav failed: {text}"))
+                        self._fail(rid, OmniError(f"code2wav failed: {text}"))
                 case Queue(queued=queued):
                     self._set_queued(w, queued)
+                case Status():
+                    self._take_status(w, msg)
                 case Ready():
                     with self._lock:
                         if w.alive and not self._stopping:
@@ -509,14 +595,22 @@ class Code2WavProcessPool:
             if was_ready:
                 metrics.CODE2WAV_WORKERS.dec()
             self._set_queued(w, 0)
+            # its counters carry over to the next process of the index; its gauges go
+            self.forwarded.retire(self._metrics_source(w.index))
             self.restarts += 1
             metrics.CODE2WAV_RESTARTS.inc()
             code = w.process.exitcode
             how = f"signal {-code}" if code is not None and code < 0 else f"exit code {code}"
-            logger.error("code2wav worker %d (pid %d) ended (%s); failing its %d request(s) and restarting it",
-                         w.index, w.process.pid, how, len(lost))
+            if w.stalled:
+                logger.error("code2wav worker %d (pid %d) %s and was killed; failing its %d request(s) and "
+                             "restarting it", w.index, w.process.pid, w.stalled, len(lost))
+                ended = f"code2wav worker {w.index} of the request {w.stalled}; it was restarted"
+            else:
+                logger.error("code2wav worker %d (pid %d) ended (%s); failing its %d request(s) and restarting it",
+                             w.index, w.process.pid, how, len(lost))
+                ended = "the code2wav worker of the request ended"
             for rid in lost:
-                self._fail(rid, UnavailableError("the code2wav worker of the request ended"))
+                self._fail(rid, UnavailableError(ended))
             # one that died starting: no spinning on a vocoder that cannot be built
             self._relaunch(new, backoff=not was_ready)
         finally:

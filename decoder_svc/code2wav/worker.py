@@ -8,6 +8,15 @@ out of their arena slots as soon as they arrive, so slots come back even
 while the vocoder is busy; the decode loop (``.core.run_chunks``) picks the
 chunk decoded next. A request that fails here is reported (``Error``) and
 its later items start nothing until the decoder aborts it.
+
+Liveness and metrics: the decode loop counts the chunks it decodes (a
+``Progress``: its recent time per chunk too) and the items it has handled,
+and says whether it waits for items (nothing ready); a reporter thread
+sends them in a ``Status`` when they changed, and about once
+a second a snapshot of this process's metrics (``worker_metrics``: the series
+a worker sets, e.g. ``omni_decoder_code2wav_chunk_seconds``) when it changed.
+The decoder judges the counts (``.pool``; a loop that stops counting while
+items wait is stuck) and serves the metrics labelled with the worker.
 """
 
 from __future__ import annotations
@@ -23,8 +32,11 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
+from decoder_svc import metrics
 from decoder_svc.code2wav.core import Code2WavCore, VocoderSpec, build_vocoder, run_chunks
 from decoder_svc.code2wav.messages import (
+    METRICS_EVERY,
+    STATUS_INTERVAL_S,
     Abort,
     Audio,
     Error,
@@ -35,10 +47,29 @@ from decoder_svc.code2wav.messages import (
     Ready,
     Released,
     ShmFrames,
+    Status,
     Stop,
 )
 from decoder_svc.spawned import pipe_sender
+from omni_common import metrics_forward
+from omni_common.liveness import Progress
 from omni_common.shm_arena import ArenaReader
+
+PARENT_RECORDED = frozenset(m._name for m in (
+    # the decoder records these itself, from the messages of its workers
+    metrics.CODE2WAV_WORKERS, metrics.CODE2WAV_RESTARTS, metrics.CODE2WAV_INLINE_FALLBACKS,
+    metrics.CODE2WAV_QUEUE_CHUNKS, metrics.CODE2WAV_FIRST_CHUNK_WAIT,
+))
+"""code2wav families a worker does not forward (the decoder has them already)."""
+
+
+def worker_metrics() -> list:
+    """This process's series that the decoder should serve: its code2wav
+    families (but ``PARENT_RECORDED``) and any family outside the decoder's
+    (a vocoder's own); the decoder's other families are registered here by
+    the import but never set."""
+    return [f for f in metrics_forward.snapshot(exclude=PARENT_RECORDED)
+            if f[0].startswith("omni_decoder_code2wav_") or not f[0].startswith("omni_decoder_")]
 
 
 def _load_codes(reader, ref: ShmFrames | InlineFrames, released: list[tuple[int, int]]) -> np.ndarray:
@@ -123,12 +154,40 @@ def worker_main(
     counted = 0
     reported = 0  # the queue length the decoder last heard of
     failed: set[str] = set()  # their later items start nothing, until the decoder aborts them
+    # the decode loop's liveness: advanced by the loop only (never by the reporter)
+    progress = Progress("code2wav", lambda: False)
+    taken = 0  # items the loop took from its inbox (counted once handled)
+    waiting = False  # the loop waits for items (nothing ready to decode)
+    done = threading.Event()
+
+    def report() -> None:
+        """Sends the loop's counts when they changed, and about once a second
+        the metrics when they changed, until the loop ends or the decoder is gone."""
+        last_counts: tuple[int, int, bool] | None = None
+        last_metrics: list | None = None
+        looks = 0
+        while not done.wait(STATUS_INTERVAL_S):
+            looks += 1
+            counts = (progress.count, taken, waiting)
+            snap = worker_metrics() if looks % METRICS_EVERY == 0 else None
+            if snap == last_metrics:
+                snap = None
+            if counts == last_counts and snap is None:
+                continue
+            if not send(Status(counts[0], counts[1], counts[2], progress.pace_s, snap)):
+                return
+            last_counts = counts
+            if snap is not None:
+                last_metrics = snap
+
+    threading.Thread(target=report, name="code2wav-report", daemon=True).start()
 
     def emit(rid: str, audio: np.ndarray, last: bool, reason: str) -> None:
         nonlocal counted, reported
         chunk = core.chunks != counted  # False for the empty last of a request without frames
         counted = core.chunks
         reported = core.queued
+        progress.advance(core.decode_s)
         send(Audio(rid, audio, last, reason, chunk, core.queued, core.first_wait))
 
     def fail(rid: str, text: str, trace: str) -> None:
@@ -138,6 +197,14 @@ def worker_main(
         send(Error(rid, text, trace))
 
     def take(item: tuple) -> None:
+        nonlocal taken, waiting
+        waiting = False
+        try:
+            handle(item)
+        finally:
+            taken += 1
+
+    def handle(item: tuple) -> None:
         kind, rid, voice, value, at, first = item
         if kind == "abort":
             core.drop(rid)
@@ -153,7 +220,8 @@ def worker_main(
                 fail(rid, _short(exc), traceback.format_exc())
 
     def idle() -> None:
-        nonlocal reported
+        nonlocal reported, waiting
+        waiting = True
         if reported:
             reported = 0
             send(Queue(0))
@@ -161,5 +229,6 @@ def worker_main(
     try:
         run_chunks(core, inbox, take, emit, lambda rid, exc: fail(rid, _short(exc), traceback.format_exc()), idle)
     finally:
+        done.set()
         reader.close()
         results.close()

@@ -1,6 +1,7 @@
-"""The decoder's AR stages under a liveness watchdog (``omni_common.liveness``).
+"""The decoder's stages under a liveness watchdog (``omni_common.liveness``).
 
-``watch_stages`` puts every AR stage of a pipeline under one ``Watchdog``:
+``watch_stages`` puts every AR stage of a pipeline, and each code2wav worker
+process, under one ``Watchdog``:
 
 - a stage in a process of its own (``.proxy.StageProcess``): its progress
   follows the turn count its process reports; stuck, the process is killed
@@ -11,7 +12,16 @@
   the pipeline: a stuck stage holds up the stages after it) end with
   UNAVAILABLE naming the stall, and the service reports itself not ready
   (the watchdog's verdict) until the loop moves again, not live past the
-  grace (the supervisor or Kubernetes restarts it).
+  grace (the supervisor or Kubernetes restarts it);
+- a code2wav worker process (``decoder_svc.code2wav.pool``, part
+  ``code2wav:<index>``): its progress follows the chunks its decode loop
+  reports; stuck, the process is killed (``Code2WavProcessPool.kill_stuck``),
+  the requests pinned to it end with UNAVAILABLE naming the stall, and it is
+  started again as after a crash. (code2wav on a thread of the decoder is
+  not watched.)
+
+Both kinds of child process are killed the same way (``_kill``: the part's
+``kill_stuck(seconds, limit_s)``).
 
 The requests are failed on a thread of their own: aborting them reaches the
 backends, one of which may be the part that wedged; the watchdog keeps
@@ -20,13 +30,16 @@ looking meanwhile.
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from decoder_svc.code2wav.pool import Code2WavProcessPool
 from decoder_svc.stage.proxy import StageProcess
 from omni_common.errors import UnavailableError
-from omni_common.liveness import Progress, Watchdog
+from omni_common.liveness import Progress, Watchdog, no_progress
 
 if TYPE_CHECKING:
     from decoder_svc.pipeline import Pipeline
@@ -35,29 +48,37 @@ logger = logging.getLogger(__name__)
 
 
 def watch_stages(pipeline: Pipeline, watchdog: Watchdog) -> list[Progress]:
-    """Watch every AR stage of `pipeline` with `watchdog`; the parts watched."""
+    """Watch every AR stage of `pipeline` and its code2wav worker processes
+    (if it has them) with `watchdog`; the parts watched."""
     parts = []
     for runner in pipeline.runners.values():
         progress = runner.progress
         if isinstance(runner, StageProcess):
-            progress.on_stuck = _kill(runner, watchdog)
+            progress.on_stuck = _kill(runner.kill_stuck, watchdog)
         else:
             progress.on_stuck = _fail_running(pipeline, watchdog)
         parts.append(watchdog.watch(progress))
+    code2wav = pipeline.code2wav
+    if isinstance(code2wav, Code2WavProcessPool):
+        for index, progress in enumerate(code2wav.progress):
+            progress.on_stuck = _kill(functools.partial(code2wav.kill_stuck, index), watchdog)
+            parts.append(watchdog.watch(progress))
     return parts
 
 
-def _kill(stage: StageProcess, watchdog: Watchdog):
+def _kill(kill_stuck: Callable[[float, float], None], watchdog: Watchdog):
+    """on_stuck for a part in a child process: its `kill_stuck(seconds, limit_s)`
+    kills the process; its owner fails its requests and starts it again."""
     def on_stuck(progress: Progress, seconds: float) -> None:
-        stage.kill_stuck(seconds, watchdog.limit_s(progress))
+        kill_stuck(seconds, watchdog.limit_s(progress))
 
     return on_stuck
 
 
 def _fail_running(pipeline: Pipeline, watchdog: Watchdog):
     def on_stuck(progress: Progress, seconds: float) -> None:
-        error = UnavailableError(f"{progress.name} made no progress for {seconds:.1f} s with work waiting "
-                                 f"(limit {watchdog.limit_s(progress):.1f} s); the request was ended")
+        error = UnavailableError(f"{progress.name} {no_progress(seconds, watchdog.limit_s(progress))}; "
+                                 "the request was ended")
         ids = pipeline.requests.ids()
         logger.error("%s is stuck in this process: failing its %d request(s); the decoder reports not ready",
                      progress.name, len(ids))

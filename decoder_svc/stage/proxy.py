@@ -70,7 +70,7 @@ from decoder_svc.stage.messages import (
     WireError,
 )
 from omni_common.errors import OmniError, UnavailableError
-from omni_common.liveness import Progress
+from omni_common.liveness import Progress, no_progress
 from omni_common.metrics_forward import FORWARDED, Forwarded
 from omni_common.shm_arena import sweep_stale
 from omni_serving.v1 import materializer_pb2
@@ -338,7 +338,7 @@ class StageProcess(ReportedFacts):
             proc = self._proc
             if proc is None or self._stopping or not self._ready.is_set():
                 return
-            proc.stalled = f"made no progress for {seconds:.1f} s with work waiting (limit {limit_s:.1f} s)"
+            proc.stalled = no_progress(seconds, limit_s)
         logger.error("stage %s: decode loop %s; killing its engine process (pid %d)",
                      self.name, proc.stalled, proc.process.pid)
         proc.process.kill()
