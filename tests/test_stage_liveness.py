@@ -8,6 +8,9 @@
   processes, pipes and shared memory; the fake engine): its requests end
   with UNAVAILABLE naming the stall, the process is killed and started
   again, new requests succeed.
+- Readiness while a stage restarts: SIGKILL a serving decoder's talker
+  process; its "" and DecoderService health entries go NOT_SERVING until the
+  new process is ready, then SERVING again (a thread polls them meanwhile).
 - The options: validated, the option named.
 """
 
@@ -263,10 +266,82 @@ def test_a_stopped_stage_process_of_a_serving_decoder_ends_its_calls_unavailable
             check_caught(c.error.details(), 2.0)
         wait_for(lambda: "stage talker: restarted (pid" in dec.log_text(), 120, "the talker did not come back")
         assert _stage_pid(dec.proc.pid, "talker") not in (None, talker), "the talker's process is the stopped one"
-        assert _health(dec.target, "") == "SERVING", "the decoder is not ready after the restart"
+        # ready again at the watchdog's next look after the restart
+        wait_for(lambda: _health(dec.target, "") == "SERVING", 10, "the decoder is not ready after the restart")
         check_outputs(batch(dec.target, "after", 2, 60))
         assert _health(dec.target, "omni_serving.liveness") == "SERVING", "a restarted stage left it not live"
         assert "decode loop made no progress for" in dec.log_text(), dec.log_text()[-3000:]
     finally:
+        dec.kill()
+        mat.kill()
+
+
+class HealthPoller:
+    """Polls a decoder's readiness entries on a thread of its own, recording
+    every answer (a list of (entry, status)) until `stop`."""
+
+    ENTRIES = ("", "omni_serving.v1.DecoderService")
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self.seen: list[tuple[str, str]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        with grpc.insecure_channel(self.target) as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            while not self._stop.is_set():
+                for entry in self.ENTRIES:
+                    try:
+                        resp = stub.Check(health_pb2.HealthCheckRequest(service=entry), timeout=2)
+                    except grpc.RpcError as exc:
+                        self.seen.append((entry, f"error {exc.code()}"))
+                        continue
+                    self.seen.append((entry, health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)))
+                self._stop.wait(0.02)
+
+    def stop(self) -> list[tuple[str, str]]:
+        self._stop.set()
+        self._thread.join(10)
+        return self.seen
+
+
+@pytest.mark.e2e
+def test_a_decoder_is_not_ready_while_its_stage_process_restarts(tmp_path):
+    from tests.test_link_faults import batch, check_outputs, materializer
+
+    deployment = f"rdy{os.getpid()}"
+    mat = materializer(tmp_path, deployment).start()
+    dec = stage_decoder(tmp_path, deployment, mat.target)
+    poller = None
+    try:
+        dec.start(timeout_s=120)
+        for entry in HealthPoller.ENTRIES:
+            assert _health(dec.target, entry) == "SERVING", f"health entry {entry!r} is not SERVING at start"
+        talker = _stage_pid(dec.proc.pid, "talker")
+        assert talker is not None, "no talker stage process under the decoder"
+        poller = HealthPoller(dec.target)
+        wait_for(lambda: len(poller.seen) >= 2, 10, "the health poller got no answer")
+        os.kill(talker, signal.SIGKILL)
+        wait_for(lambda: "stage talker: restarted (pid" in dec.log_text(), 120, "the talker did not come back")
+        wait_for(lambda: poller.seen[-2:] == [(e, "SERVING") for e in HealthPoller.ENTRIES], 10,
+                 f"not SERVING again after the restart: {poller.seen[-4:]}")
+        seen = poller.stop()
+        for entry in HealthPoller.ENTRIES:
+            statuses = [st for e, st in seen if e == entry]
+            assert "NOT_SERVING" in statuses, f"{entry!r} never NOT_SERVING while the talker restarted: {statuses}"
+            first_down = statuses.index("NOT_SERVING")
+            assert set(statuses[:first_down]) == {"SERVING"}, f"{entry!r} before the kill: {statuses}"
+        assert "not ready: stage:talker is restarting" in dec.log_text(), dec.log_text()[-3000:]
+        assert _health(dec.target, "omni_serving.liveness") == "SERVING", "a restarting stage made it not live"
+        check_outputs(batch(dec.target, "after", 2, 60))
+    finally:
+        if poller is not None:
+            poller.stop()
         dec.kill()
         mat.kill()

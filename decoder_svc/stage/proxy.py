@@ -157,7 +157,7 @@ class StageProcess(ReportedFacts):
         self._steps_before = 0  # steps, fallbacks and loop turns of earlier processes of this stage
         self._fallbacks_before = 0
         self._turns_before = 0
-        self.progress = Progress(f"stage:{self.name}", self._has_work)
+        self.progress = Progress(f"stage:{self.name}", self._has_work, not_ready=self._not_ready)
         self.gaps_s: collections.deque[float] = collections.deque(maxlen=100_000)
         self.step_times_s: collections.deque[float] = collections.deque(maxlen=100_000)
         # set by attach(): where steps and failures go
@@ -329,6 +329,16 @@ class StageProcess(ReportedFacts):
             if not self._live or proc is None or not self._ready.is_set():
                 return False
             return bool(status.busy) or proc.posted > status.commands
+
+    @property
+    def restarting(self) -> bool:
+        """Its process ended (a crash, a kill) and the next one is not ready yet."""
+        return self._relaunching and not self._ready.is_set()
+
+    def _not_ready(self) -> str:
+        """The watchdog's question (``Progress.not_ready``): the decoder is not
+        ready while a stage is being restarted."""
+        return f"restarting (restart {self.restarts}; its engine process ended)" if self.restarting else ""
 
     def kill_stuck(self, seconds: float, limit_s: float) -> None:
         """The watchdog's verdict (no progress for `seconds`, over its limit):
