@@ -232,7 +232,8 @@ def main(argv: list[str] | None = None) -> None:
         watchdog = health.bind(Watchdog(limits, name="decoder-watchdog"))
         watch_stages(pipeline, watchdog)
         watchdog.start()
-        servicer = DecoderServicer(pipeline, engine=args.engine, materializer_target=args.materializer)
+        servicer = DecoderServicer(pipeline, engine=args.engine, materializer_target=args.materializer,
+                                   watchdog=watchdog)
 
         def register(server: grpc.aio.Server) -> None:
             decoder_pb2_grpc.add_DecoderServiceServicer_to_server(servicer, server)
