@@ -29,16 +29,17 @@ logger = logging.getLogger(__name__)
 class HealthFromWatchdog:
     """The watchdog's verdicts as gRPC health (see the module docstring).
 
-    names: the readiness entries (``ServerConfig.health_names``)."""
+    names: the readiness entries (``ServerConfig.health_names``); dependency:
+    whether what the service depends on is there at start."""
 
-    def __init__(self, names: tuple[str, ...], *, log: logging.Logger = logger) -> None:
+    def __init__(self, names: tuple[str, ...], *, dependency: bool = True, log: logging.Logger = logger) -> None:
         self.names = names
         self.watchdog: Watchdog | None = None  # bound by `bind`: names what keeps it not ready
         self._log = log
         self._loop: asyncio.AbstractEventLoop | None = None
         self._health: HealthServicer | None = None
         self._ready = True  # the watchdog's verdict
-        self._dependency = True  # what the service also needs (see set_dependency)
+        self._dependency = dependency  # what the service also needs (see set_dependency)
 
     def bind(self, watchdog: Watchdog) -> Watchdog:
         """Be `watchdog`'s on_change; returns it."""

@@ -61,7 +61,7 @@ class StackConfig:
     restart_backoff_max: float = 10.0
     restart_reset: float = 30.0
     # Liveness: every liveness_poll seconds the launcher checks each serving
-    # decoder's `omni_serving.liveness` health entry; NOT_SERVING twice in a
+    # decoder's and gateway's `omni_serving.liveness` health entry; NOT_SERVING twice in a
     # row restarts it as after a crash. 0 = off. A decoder that does not answer
     # that check at all (stopped, wedged event loop) for liveness_unanswered_s
     # seconds is restarted too; long, so that a slow answer under load does
@@ -276,14 +276,14 @@ UP_OPTIONS: tuple[UpOption, ...] = (
     UpOption(
         "liveness_poll",
         float,
-        "seconds between checks of each decoder's omni_serving.liveness health entry; "
+        "seconds between checks of each decoder's and gateway's (without TLS) omni_serving.liveness health entry; "
         "NOT_SERVING twice in a row restarts it as after a crash (0 = off)",
         metavar="S",
     ),
     UpOption(
         "liveness_unanswered_s",
         float,
-        "seconds a serving decoder may leave its liveness check unanswered (stopped, wedged) "
+        "seconds a serving decoder or gateway may leave its liveness check unanswered (stopped, wedged) "
         "before it is killed and restarted as after a crash; long, so that a slow answer under "
         "load does not restart a healthy one (0 = off)",
         metavar="S",

@@ -14,7 +14,7 @@ starting -> running -> (exits) -> backoff -> starting -> ... or failed.
   does not within `startup_timeout` is killed and counts as a failure.
 - A service the launcher stopped itself (`stop_expected`, a failed rolling
   restart) is started again at once, without counting a failure.
-- A running decoder whose `omni_serving.liveness` health entry
+- A running decoder or gateway whose `omni_serving.liveness` health entry
   (`omni_common.liveness`) answers NOT_SERVING in `NOT_LIVE_CHECKS` checks in
   a row, one every `liveness_poll` seconds (0 = off), is killed and restarted
   as after a crash, the log naming the reason.
@@ -57,8 +57,9 @@ NOT_LIVE_CHECKS = 2
 LIVENESS_CHECK_TIMEOUT_S = 0.2
 """The longest one liveness check waits (the supervisor's round never waits longer)."""
 
-LIVENESS_ROLES = ("decoder",)
-"""The services whose liveness entry the launcher checks."""
+LIVENESS_ROLES = ("decoder", "gateway")
+"""The services whose liveness entry the launcher checks (a gateway serving
+TLS is not: the launcher's check speaks plain gRPC)."""
 
 
 def liveness_status(svc: ServiceProcess, timeout_s: float) -> str:
@@ -157,11 +158,13 @@ class Supervisor:
         return None
 
     def _check_live(self, svc: ServiceProcess, now: float) -> str | None:
-        """A running decoder: check its liveness entry when due; stuck in
+        """A running decoder or gateway: check its liveness entry when due; stuck in
         `NOT_LIVE_CHECKS` checks in a row, or no answer for longer than
         `liveness_unanswered_s`, kill it and restart it as after a crash."""
         poll = self.cfg.liveness_poll
         if svc.role not in LIVENESS_ROLES or poll <= 0 or now < svc.next_liveness:
+            return None
+        if svc.role == "gateway" and self.cfg.tls_cert:
             return None
         assert svc.proc is not None
         svc.next_liveness = now + poll

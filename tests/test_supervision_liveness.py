@@ -132,7 +132,7 @@ def test_a_decoder_not_live_twice_in_a_row_is_killed_and_restarted():
                 p.wait()
 
 
-@pytest.mark.parametrize(("role", "poll"), [("materializer", 0.05), ("decoder", 0.0)])
+@pytest.mark.parametrize(("role", "poll"), [("materializer", 0.05), ("decoder", 0.0), ("gateway", 0.0)])
 def test_not_checked_other_roles_or_when_off(role, poll):
     check = ScriptedLiveness(["NOT_SERVING"] * (NOT_LIVE_CHECKS + 3))
     log: list[str] = []
@@ -206,3 +206,25 @@ def test_silence_is_not_counted_when_off():
 def test_liveness_unanswered_s_is_validated(value, needle):
     with pytest.raises(ConfigError, match=f"liveness_unanswered_s: .*{needle}"):
         StackConfig(engine="fake", liveness_poll=1.0, liveness_unanswered_s=value).validate()
+
+
+def test_a_gateway_is_checked_unless_it_serves_tls():
+    for tls, expect_checked in (("", True), ("cert.pem", False)):
+        check = ScriptedLiveness(["NOT_SERVING"] * (NOT_LIVE_CHECKS + 3))
+        log: list[str] = []
+        sup = supervisor(check, log)
+        sup.cfg.tls_cert = tls
+        svc = running("gateway")
+        first = svc.proc
+        try:
+            rounds(sup, svc, NOT_LIVE_CHECKS)
+            if expect_checked:
+                assert first.poll() is not None and svc.state == "backoff", f"not restarted: {log}"
+                assert any("gateway" in line and "reports not live" in line for line in log), log
+            else:
+                assert check.asked == [] and first.poll() is None, f"a TLS gateway was checked: {log}"
+        finally:
+            for p in (first, svc.proc):
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
