@@ -3,9 +3,13 @@
 Health: the server as a whole ("") and ``SERVICE_NAME`` report readiness;
 ``omni_common.liveness.LIVENESS_SERVICE`` reports liveness. A watchdog
 (``--stall-after-s``, ``--liveness-grace-s``; ``decoder_svc.stage.liveness``)
-judges every AR stage's decode loop by its progress: a stuck stage makes the
-decoder not ready (NOT_SERVING) until it moves again or is restarted; stuck
-past the grace, the liveness entry goes NOT_SERVING (restart me).
+judges every AR stage's decode loop, and every materializer link's dispatch
+loop, by its progress: a stuck part makes the decoder not ready
+(NOT_SERVING) until it moves again or is restarted, and so does a stage
+process being restarted; stuck past the grace, the liveness entry goes
+NOT_SERVING (restart me). ``GetDecoderInfo.stuck_parts`` names those parts
+(``omni_common.liveness_health.HealthFromWatchdog`` turns the verdicts into
+health).
 """
 
 from __future__ import annotations
