@@ -325,6 +325,13 @@ def _same_kind_handler(
     )
 
 
+def _behavior_of(handler: grpc.RpcMethodHandler) -> Callable[..., Any]:
+    """The servicer function of `handler`, whatever its streaming kind."""
+    if handler.request_streaming:
+        return handler.stream_stream if handler.response_streaming else handler.stream_unary
+    return handler.unary_stream if handler.response_streaming else handler.unary_unary
+
+
 def _aborting(code: grpc.StatusCode, message: str) -> Callable[..., Awaitable[None]]:
     async def abort(request: object, context: grpc.aio.ServicerContext) -> None:
         await context.abort(code, message)
@@ -406,14 +413,7 @@ class InternalErrorInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return handler
         method = handler_call_details.method or "a call"
-        if handler.request_streaming and handler.response_streaming:
-            behavior = handler.stream_stream
-        elif handler.request_streaming:
-            behavior = handler.stream_unary
-        elif handler.response_streaming:
-            behavior = handler.unary_stream
-        else:
-            behavior = handler.unary_unary
+        behavior = _behavior_of(handler)
         if not (inspect.iscoroutinefunction(behavior) or inspect.isasyncgenfunction(behavior)):
             return handler  # a synchronous handler: grpc runs it on a thread, left as it is
         return _same_kind_handler(handler, _guarded(behavior, method), handler.request_deserializer)
@@ -480,14 +480,9 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
             return handler
         parse = handler.request_deserializer
         method = handler_call_details.method or ""
-        if handler.request_streaming:
-            behavior = handler.stream_stream if handler.response_streaming else handler.stream_unary
-            return _same_kind_handler(handler, _checked_stream(behavior, method), _safe(parse))
-        if handler.response_streaming:
-            behavior = handler.unary_stream
-        else:
-            behavior = handler.unary_unary
-        return _same_kind_handler(handler, _checked(behavior, method), _safe(parse))
+        behavior = _behavior_of(handler)
+        checked = _checked_stream if handler.request_streaming else _checked
+        return _same_kind_handler(handler, checked(behavior, method), _safe(parse))
 
 
 def _safe(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:

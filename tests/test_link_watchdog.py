@@ -31,6 +31,7 @@ from decoder_svc.link.watchdog import Watchdog
 from decoder_svc.snapshot import PER_TOKEN, SnapshotMeta
 from omni_common import liveness
 from omni_common.materialize import HIDDEN_STATES
+from tests.test_liveness import FakeClock
 
 STALL_S = 3.0
 MAX_PENDING = 4
@@ -253,14 +254,6 @@ class WedgedDispatcher(Dispatcher):
         self.wedged.set()
         self.release.wait(30)
         self.dispatched.append(meta.step_id)
-
-
-class FakeClock:
-    def __init__(self) -> None:
-        self.t = 1000.0
-
-    def __call__(self) -> float:
-        return self.t
 
 
 def test_a_wedged_dispatch_loop_is_stuck_while_steps_wait_and_moves_again():
