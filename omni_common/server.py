@@ -424,28 +424,29 @@ def _guarded(behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
     if inspect.isasyncgenfunction(behavior):
 
         async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
-            try:
+            async with _status_for_errors(context, method):
                 async for item in behavior(request, context):
                     yield item
-            except (grpc.aio.AbortError, asyncio.CancelledError):
-                raise
-            except Exception as exc:  # noqa: BLE001 -- every escaping error gets a status
-                await _abort_for(exc, context, method)
 
         return stream
 
     async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
-        try:
+        async with _status_for_errors(context, method):
             result = behavior(request, context)
-            if inspect.isawaitable(result):
-                result = await result
-            return result
-        except (grpc.aio.AbortError, asyncio.CancelledError):
-            raise
-        except Exception as exc:  # noqa: BLE001 -- every escaping error gets a status
-            await _abort_for(exc, context, method)
+            return await result if inspect.isawaitable(result) else result
 
     return call
+
+
+@contextlib.asynccontextmanager
+async def _status_for_errors(context: grpc.aio.ServicerContext, method: str) -> AsyncIterator[None]:
+    """An exception escaping the block ends the call (`_abort_for`); aborts and cancellations pass."""
+    try:
+        yield
+    except (grpc.aio.AbortError, asyncio.CancelledError):
+        raise
+    except Exception as exc:  # noqa: BLE001 -- every escaping error gets a status
+        await _abort_for(exc, context, method)
 
 
 async def _abort_for(exc: Exception, context: grpc.aio.ServicerContext, method: str) -> None:
