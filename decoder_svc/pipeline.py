@@ -376,6 +376,7 @@ class Pipeline:
                 info.output_path = decoder_pb2.OUTPUT_PATH_ASYNC if decision.use_async else decoder_pb2.OUTPUT_PATH_SYNC
                 info.reason = decision.reason
                 info.steps = self.runners[s.stage_id].steps
+                info.restarting = bool(getattr(self.runners[s.stage_id], "restarting", False))  # a stage process
             else:
                 info.kind = decoder_pb2.STAGE_KIND_GENERATION
                 info.output_path = decoder_pb2.OUTPUT_PATH_SYNC

@@ -3,9 +3,13 @@
 Health: the server as a whole ("") and ``SERVICE_NAME`` report readiness;
 ``omni_common.liveness.LIVENESS_SERVICE`` reports liveness. A watchdog
 (``--stall-after-s``, ``--liveness-grace-s``; ``decoder_svc.stage.liveness``)
-judges every AR stage's decode loop by its progress: a stuck stage makes the
-decoder not ready (NOT_SERVING) until it moves again or is restarted; stuck
-past the grace, the liveness entry goes NOT_SERVING (restart me).
+judges every AR stage's decode loop, and every materializer link's dispatch
+loop, by its progress: a stuck part makes the decoder not ready
+(NOT_SERVING) until it moves again or is restarted, and so does a stage
+process being restarted; stuck past the grace, the liveness entry goes
+NOT_SERVING (restart me). ``GetDecoderInfo.stuck_parts`` names those parts
+(``omni_common.liveness_health.HealthFromWatchdog`` turns the verdicts into
+health).
 """
 
 from __future__ import annotations
@@ -16,7 +20,6 @@ import logging
 import os
 
 import grpc
-from grpc_health.v1 import health_pb2
 
 from decoder_svc import families, lengths
 from decoder_svc.pipeline import Pipeline
@@ -24,11 +27,12 @@ from decoder_svc.profile import available_profiles, load_profile
 from decoder_svc.servicer import DecoderServicer
 from decoder_svc.stage.liveness import watch_stages
 from omni_common.errors import InvalidArgumentError, OmniError
-from omni_common.liveness import DEFAULT_FACTOR, LIVENESS_SERVICE, StallLimits, Stuck, Watchdog
+from omni_common.liveness import DEFAULT_FACTOR, LIVENESS_SERVICE, StallLimits, Watchdog
+from omni_common.liveness_health import HealthFromWatchdog
 from omni_common.logging_setup import setup_logging
 from omni_common.metrics import start_metrics_server
 from omni_common.metrics_forward import FORWARDED, MergedRegistry
-from omni_common.server import HealthServicer, ServerConfig, serve, set_health
+from omni_common.server import ServerConfig, serve
 from omni_common.shm_arena import ShmArena, sweep_stale
 from omni_serving.v1 import decoder_pb2, decoder_pb2_grpc
 
@@ -135,39 +139,6 @@ def stall_limits(args: argparse.Namespace) -> StallLimits:
         raise InvalidArgumentError(f"--{exc.field.replace('_', '-')}", str(exc).split(": ", 1)[-1]) from exc
 
 
-class HealthFromWatchdog:
-    """The watchdog's verdicts as gRPC health (called on the watchdog's thread):
-    readiness on the server's entries, liveness on ``LIVENESS_SERVICE``."""
-
-    def __init__(self, names: tuple[str, ...]) -> None:
-        self.names = names
-        self._loop: asyncio.AbstractEventLoop | None = None
-        self._health: HealthServicer | None = None
-
-    async def started(self, server: grpc.aio.Server, health: HealthServicer) -> None:
-        self._loop, self._health = asyncio.get_running_loop(), health
-        await health.set(LIVENESS_SERVICE, health_pb2.HealthCheckResponse.SERVING)
-
-    def __call__(self, ready: bool, live: bool, stuck: list[Stuck]) -> None:
-        loop, health = self._loop, self._health
-        if loop is None or health is None:
-            return
-        if not ready:
-            logger.error("not ready: %s", "; ".join(s.describe() for s in stuck))
-        else:
-            logger.warning("ready again: no part is stuck")
-        status = health_pb2.HealthCheckResponse.SERVING if live else health_pb2.HealthCheckResponse.NOT_SERVING
-
-        async def update() -> None:
-            await set_health(health, self.names, serving=ready)
-            await health.set(LIVENESS_SERVICE, status)
-
-        try:
-            asyncio.run_coroutine_threadsafe(update(), loop)
-        except RuntimeError:  # the loop has ended: the server is gone
-            pass
-
-
 def stage_processes_on(args: argparse.Namespace) -> bool:
     mode = getattr(args, "stage_processes", "off")
     return mode == "on" or (mode == "auto" and args.engine == "vllm")
@@ -261,11 +232,12 @@ def main(argv: list[str] | None = None) -> None:
         pipeline.start()
         config = ServerConfig(address=args.listen, service_name=SERVICE_NAME,
                               reflection_service_names=[SERVICE_NAME])
-        health = HealthFromWatchdog(config.health_names)
-        watchdog = Watchdog(limits, on_change=health, name="decoder-watchdog")
+        health = HealthFromWatchdog(config.health_names, log=logger)
+        watchdog = health.bind(Watchdog(limits, name="decoder-watchdog"))
         watch_stages(pipeline, watchdog)
         watchdog.start()
-        servicer = DecoderServicer(pipeline, engine=args.engine, materializer_target=args.materializer)
+        servicer = DecoderServicer(pipeline, engine=args.engine, materializer_target=args.materializer,
+                                   watchdog=watchdog)
 
         def register(server: grpc.aio.Server) -> None:
             decoder_pb2_grpc.add_DecoderServiceServicer_to_server(servicer, server)

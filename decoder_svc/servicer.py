@@ -28,6 +28,7 @@ from omni_common.errors import (
     grpc_code_for,
     log_internal,
 )
+from omni_common.liveness import Watchdog
 from omni_common.modality import OutputModality
 from omni_common.tensor_wire import encode_inline
 from omni_serving.v1 import common_pb2, decoder_pb2, decoder_pb2_grpc
@@ -95,9 +96,20 @@ def spec_from_pb(
     )
 
 
+def stuck_parts(watchdog: Watchdog) -> list[decoder_pb2.StuckPart]:
+    """The watchdog's last look as GetDecoderInfo's stuck_parts: stuck parts, then restarting ones."""
+    parts = [decoder_pb2.StuckPart(name=s.name, seconds=s.seconds, limit_s=s.limit_s, description=s.describe())
+             for s in watchdog.stuck()]
+    parts += [decoder_pb2.StuckPart(name=w.name, restarting=True, description=w.describe())
+              for w in watchdog.waiting()]
+    return parts
+
+
 class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
-    def __init__(self, pipeline: Pipeline, *, engine: str, materializer_target: str) -> None:
+    def __init__(self, pipeline: Pipeline, *, engine: str, materializer_target: str,
+                 watchdog: Watchdog | None = None) -> None:
         self.pipeline = pipeline
+        self.watchdog = watchdog  # its verdicts go into GetDecoderInfo (stuck_parts, not_live)
         self.engine = engine
         self.materializer_target = materializer_target
         # Generate streams in progress: request id -> its sink (ends the stream)
@@ -195,4 +207,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         if arena is not None:
             (resp.arena.region, resp.arena.slot_bytes, resp.arena.num_slots,
              resp.arena.slots_in_use, resp.arena.peak_slots_in_use) = arena
+        if self.watchdog is not None:
+            resp.stuck_parts.extend(stuck_parts(self.watchdog))
+            resp.not_live = not self.watchdog.live
         return resp

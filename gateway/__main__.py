@@ -29,6 +29,7 @@ from gateway.replicas import (
 )
 from gateway.validation import DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_MAX_TEXT_CHARS
 from omni_common.errors import InvalidArgumentError, OmniError
+from omni_common.liveness import StallLimits
 from omni_common.logging_setup import setup_logging
 from omni_common.net import LOOPBACK
 
@@ -143,6 +144,22 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         f"(env {ALLOWED_ORIGINS_ENV})",
     )
     parser.add_argument("--grace-s", type=float, default=5.0, help="shutdown grace period")
+    parser.add_argument(
+        "--stall-after-s",
+        type=float,
+        default=30.0,
+        metavar="S",
+        help="client streams in flight and the event loop has not run for S seconds: the "
+        "gateway reports not ready and logs where the loop is stuck (default %(default)s)",
+    )
+    parser.add_argument(
+        "--liveness-grace-s",
+        type=float,
+        default=120.0,
+        metavar="S",
+        help="stuck this long: the health entry omni_serving.liveness goes NOT_SERVING "
+        "(restart me); at least --stall-after-s (default %(default)s)",
+    )
     parser.add_argument("--log-level", default="INFO")
     args = parser.parse_args(argv)
     try:
@@ -172,6 +189,10 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
             parser.error(f"--auth-token-file: {exc}")
     elif os.environ.get(TOKEN_ENV, "").strip():
         token = os.environ[TOKEN_ENV].strip()
+    try:
+        StallLimits(floor_s=args.stall_after_s, grace_s=args.liveness_grace_s)
+    except InvalidArgumentError as exc:
+        parser.error(f"--{exc.field.replace('_', '-')}: {str(exc).split(': ', 1)[-1]}")
     setup_logging(args.log_level, service="gateway")
     return GatewayConfig(
         listen=args.listen,
@@ -188,6 +209,8 @@ def parse_args(argv: list[str] | None = None) -> GatewayConfig:
         tls_key=args.tls_key,
         auth_token=token,
         allowed_origins=allowed_origins,
+        stall_after_s=args.stall_after_s,
+        liveness_grace_s=args.liveness_grace_s,
     )
 
 

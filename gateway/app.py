@@ -5,7 +5,10 @@ shutdown via `omni_common.server.serve`); `start_gateway` starts the same
 parts and returns a handle, for tests and embedding.
 
 The gateway's grpc.health.v1 status starts NOT_SERVING and then follows its
-decoders' (`gateway.replicas.ReplicaPool`: SERVING while any replica is). With a TLS certificate both
+decoders' (`gateway.replicas.ReplicaPool`: SERVING while any replica is),
+except while its event loop is stuck (`gateway.liveness`: NOT_SERVING); the
+entry `omni_serving.liveness` goes NOT_SERVING once it has been stuck past
+its grace. With a TLS certificate both
 listeners (gRPC and HTTP) serve TLS; with a token both require it (health
 excepted; the HTTP WebSocket routes also take browser credentials and check
 ``Origin``, `gateway.http_auth`).
@@ -24,6 +27,7 @@ from gateway.engine import DEFAULT_MAX_CONCURRENT, GatewayEngine
 from gateway.health import DEFAULT_INTERVAL_S
 from gateway.http_auth import parse_allowed_origins
 from gateway.http_facade import HttpFacade
+from gateway.liveness import LoopLiveness
 from gateway.replicas import (
     BALANCE_ROUND_ROBIN,
     DEFAULT_RESOLVE_INTERVAL_S,
@@ -35,6 +39,7 @@ from gateway.replicas import (
 from gateway.servicer import SERVICE_NAME, registrar
 from gateway.validation import DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_MAX_TEXT_CHARS, Limits
 from omni_common.errors import FailedPreconditionError, InvalidArgumentError
+from omni_common.liveness import DEFAULT_FACTOR, StallLimits
 from omni_common.server import (
     BearerTokenInterceptor,
     HealthServicer,
@@ -43,7 +48,6 @@ from omni_common.server import (
     TlsFiles,
     build_server,
     serve,
-    set_health,
 )
 
 MAX_REQUEST_BYTES = 1 * 2**20
@@ -86,17 +90,30 @@ class GatewayConfig:
     """Time between two lookups of a DNS target's addresses."""
     decoder_resolver: Resolver | None = None
     """Looks up a DNS target's addresses; None = `socket.getaddrinfo` (tests inject one)."""
+    stall_after_s: float = 30.0
+    """Client streams in flight and the event loop has not run for this long: not ready (gateway.liveness)."""
+    liveness_grace_s: float = 120.0
+    """Stuck this long: the health entry omni_serving.liveness goes NOT_SERVING (restart me)."""
     decoder_targets: tuple[DecoderTarget, ...] = field(init=False, repr=False)
     """`decoder`, parsed."""
 
     def __post_init__(self) -> None:
         self.decoder_targets = parse_decoder_targets(self.decoder)
+        self.stall_limits()  # refused here, naming the field
         if (self.tls_cert is None) != (self.tls_key is None):
             raise InvalidArgumentError("tls", "give both a certificate and its key, or neither")
         if self.auth_token is not None and not self.auth_token.strip():
             raise InvalidArgumentError("auth_token", "must not be empty")
         self.allowed_origins = parse_allowed_origins(self.allowed_origins, "allowed_origins")
         Limits(max_text_chars=self.max_text_chars, max_response_bytes=self.max_response_bytes)
+
+    def stall_limits(self) -> StallLimits:
+        """The event loop's liveness limits (InvalidArgumentError naming the field)."""
+        return StallLimits(floor_s=self.stall_after_s, factor=DEFAULT_FACTOR, grace_s=self.liveness_grace_s)
+
+    def build_liveness(self, engine: GatewayEngine, server_config: ServerConfig) -> LoopLiveness:
+        """The event loop's liveness watchdog and the health it drives."""
+        return LoopLiveness(lambda: engine.admission.active, self.stall_limits(), server_config.health_names)
 
     @property
     def tls(self) -> TlsFiles | None:
@@ -167,18 +184,14 @@ class GatewayConfig:
         )
 
 
-def _monitor(
-    engine: GatewayEngine, server_config: ServerConfig
-) -> tuple[ReplicaPool, list[HealthServicer]]:
-    """The engine's decoder pool, driving the health servicer once it is attached to the list."""
-    attached: list[HealthServicer] = []
+def _monitor(engine: GatewayEngine, liveness: LoopLiveness) -> ReplicaPool:
+    """The engine's decoder pool; its health is the gateway's readiness's dependency."""
 
     async def on_change(healthy: bool) -> None:
-        for servicer in attached:
-            await set_health(servicer, server_config.health_names, serving=healthy)
+        await liveness.health.set_dependency(healthy)
 
     engine.pool.on_change = on_change
-    return engine.pool, attached
+    return engine.pool
 
 
 @dataclass
@@ -192,6 +205,8 @@ class RunningGateway:
     http: HttpFacade | None
     monitor: ReplicaPool
     """The decoder replicas and their health checks (the same object as `engine.pool`)."""
+    liveness: LoopLiveness
+    """The event loop's progress, watched; drives the health entries."""
 
     @property
     def http_port(self) -> int | None:
@@ -199,6 +214,7 @@ class RunningGateway:
 
     async def stop(self, grace_s: float | None = 0.5) -> None:
         await self.health.enter_graceful_shutdown()
+        await self.liveness.stop()
         await self.monitor.stop()
         await self.server.stop(grace_s)
         if self.http is not None:
@@ -210,40 +226,46 @@ async def start_gateway(config: GatewayConfig) -> RunningGateway:
     """Start engine, gRPC server and (if configured) the HTTP facade in this loop."""
     server_config = config.server_config()  # refuse a malformed address before opening anything
     engine = config.build_engine()
-    monitor, attached = _monitor(engine, server_config)
+    liveness = config.build_liveness(engine, server_config)
+    monitor = _monitor(engine, liveness)
     try:
         http = config.build_http(engine, monitor)
         server, address, health = await build_server(server_config, registrar(engine))
     except BaseException:
         await engine.close()
         raise
-    attached.append(health)
+    await liveness.health.started(server, health)
+    await liveness.start()
     await monitor.start()
     if http is not None:
         try:
             await http.start(config.http_host, config.http_port or 0)
         except BaseException:
+            await liveness.stop()
             await monitor.stop()
             await server.stop(0)
             await engine.close()
             raise
-    return RunningGateway(engine, server, address, health, http, monitor)
+    return RunningGateway(engine, server, address, health, http, monitor, liveness)
 
 
 async def serve_gateway(config: GatewayConfig) -> None:
     """Run until SIGTERM/SIGINT, then shut down gracefully (health, gRPC, HTTP, decoder channels)."""
     server_config = config.server_config()  # refuse a malformed address before opening anything
     engine = config.build_engine()
-    monitor, attached = _monitor(engine, server_config)
+    liveness = config.build_liveness(engine, server_config)
+    monitor = _monitor(engine, liveness)
     http = config.build_http(engine, monitor)
     if http is not None:
         await http.start(config.http_host, config.http_port or 0)
 
     async def on_started(server: grpc.aio.Server, health: HealthServicer) -> None:
-        attached.append(health)
+        await liveness.health.started(server, health)
+        await liveness.start()
         await monitor.start()
 
     async def on_shutdown() -> None:
+        await liveness.stop()
         await monitor.stop()
         if http is not None:
             await http.stop()

@@ -26,6 +26,7 @@ import grpc
 from gateway import metrics
 from gateway.audio import AUDIO_KEY, SAMPLE_RATE_KEY, AudioChunk, pcm16le
 from gateway.decoder_client import DecoderClient, DecoderInfo, decoder_error
+from gateway.liveness import debug_stall
 from gateway.output_processor import OutputKind, OutputProcessor
 from gateway.outputs import DecoderOutputError, OmniRequestOutput, RequestMetrics, wrap_output
 from gateway.replicas import Assignment, Replica, ReplicaPool
@@ -136,6 +137,7 @@ class GatewayEngine:
         """Stream PCM16 chunks, numbered from 0; the last has `final=True` and full metrics."""
         start = self._clock()
         with self.admission.slot():
+            debug_stall(request.text)  # a test hook; nothing unless OMNI_DEBUG_GATEWAY_STALL is set
             info = await self.pool.info()
             check_against_decoder(
                 info,

@@ -25,7 +25,12 @@ A `Watchdog` thread looks at every part every `interval_s`:
 4. liveness later: a part stuck for longer than `grace_s` makes `live` False
    (the health entry `LIVENESS_SERVICE` goes NOT_SERVING): the supervisor
    (`omni-serving up`, Kubernetes' livenessProbe) restarts the service;
-5. a part that moves again is not stuck any more: readiness comes back.
+5. a part that moves again is not stuck any more: readiness comes back;
+6. a part may also be not ready without being stuck: its `not_ready()`
+   names why (a stage process being restarted after a crash or a kill);
+   the service is not ready while any part says so (``waiting()`` names
+   them), ready again once none does. That never makes it not live: the
+   part's owner is already restarting it.
 
 Counters are plain integers written by one loop and read by the watchdog (a
 read that sees the old value only delays a verdict by one look).
@@ -83,6 +88,8 @@ class Progress:
     on_stuck: called (on the watchdog's thread) once each time the part
     becomes stuck, with the part and how long it has not moved; a part that
     can be restarted on its own (a child process) restarts itself there.
+    not_ready: why the part cannot take work now though it is not stuck
+    ("" when it can; e.g. "restarting"); asked at every look (cheap, thread-safe).
     """
 
     def __init__(
@@ -91,12 +98,14 @@ class Progress:
         has_work: Callable[[], bool],
         *,
         on_stuck: Callable[[Progress, float], None] | None = None,
+        not_ready: Callable[[], str] | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.name = name
         self.count = 0
         self.has_work = has_work
         self.on_stuck = on_stuck
+        self.not_ready = not_ready
         self.pace_s: float | None = None
         self._clock = clock
         self._last_turn = clock()
@@ -147,11 +156,28 @@ class Stuck:
         return f"{self.name} made no progress for {self.seconds:.1f}s (limit {self.limit_s:.1f}s) with work waiting"
 
 
+@dataclass(frozen=True)
+class Waiting:
+    """A part that is not stuck but cannot take work now (its `not_ready()`)."""
+
+    name: str
+    why: str
+
+    def describe(self) -> str:
+        return f"{self.name} is {self.why}"
+
+
+def describe_unready(stuck: list[Stuck], waiting: list[Waiting]) -> str:
+    """Why a service is not ready, in one line."""
+    return "; ".join([s.describe() for s in stuck] + [w.describe() for w in waiting])
+
+
 class Watchdog:
     """Judges every registered part (see the module docstring).
 
     on_change(ready, live, stuck): called on the watchdog's thread whenever
-    readiness or liveness changes (e.g. to set gRPC health)."""
+    readiness or liveness changes (e.g. to set gRPC health); `waiting()`
+    names the parts not ready for another reason at that look."""
 
     def __init__(
         self,
@@ -169,6 +195,7 @@ class Watchdog:
         self._lock = threading.Lock()
         self._watches: dict[str, _Watch] = {}
         self._stuck: list[Stuck] = []
+        self._waiting: list[Waiting] = []
         self.ready = True
         self.live = True
         self.episodes = 0  # parts that became stuck, since start
@@ -195,6 +222,11 @@ class Watchdog:
         with self._lock:
             return list(self._stuck)
 
+    def waiting(self) -> list[Waiting]:
+        """The parts not ready at the last look though not stuck (restarting, ...)."""
+        with self._lock:
+            return list(self._waiting)
+
     # -- the thread ----------------------------------------------------------------
     def start(self) -> Watchdog:
         self._thread.start()
@@ -217,12 +249,16 @@ class Watchdog:
         now = self._clock()
         newly: list[tuple[Progress, float]] = []
         stuck: list[Stuck] = []
+        waiting: list[Waiting] = []
         longest = 0.0
         with self._lock:
             watches = list(self._watches.values())
         for w in watches:
             p = w.progress
             count = p.count
+            why = _not_ready(p)
+            if why:
+                waiting.append(Waiting(p.name, why))
             try:
                 busy = bool(p.has_work())
             except Exception:  # noqa: BLE001 -- a part whose question fails is judged busy
@@ -243,10 +279,10 @@ class Watchdog:
             if not w.stuck:
                 w.stuck = True
                 newly.append((p, idle_for))
-        ready = not stuck
+        ready = not stuck and not waiting
         live = longest <= self.limits.grace_s
         with self._lock:
-            self._stuck = stuck
+            self._stuck, self._waiting = stuck, waiting
             changed = ready != self.ready or live != self.live
             self.ready, self.live = ready, live
             self.episodes += len(newly)
@@ -265,3 +301,13 @@ class Watchdog:
             if self.on_change is not None:
                 self.on_change(ready, live, stuck)
         return stuck
+
+
+def _not_ready(p: Progress) -> str:
+    if p.not_ready is None:
+        return ""
+    try:
+        return p.not_ready()
+    except Exception:  # noqa: BLE001 -- a part whose question fails is judged ready (it may be stuck)
+        logger.exception("liveness: %s: not_ready failed", p.name)
+        return ""

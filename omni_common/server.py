@@ -12,6 +12,10 @@ SIGTERM/SIGINT:
 3. the caller's `on_shutdown` releases backends (engine, shared memory);
 4. the socket file is removed.
 
+Every server `build_server` makes has `InternalErrorInterceptor` outermost:
+no exception leaves a servicer as UNKNOWN (a bug is INTERNAL with an error
+id, an `OmniError` keeps its code).
+
 Addresses are ``unix:///abs/path.sock``, ``unix:relative/path.sock`` or
 ``host:port`` (port 0 picks a free port). `build_server` returns the address
 a client should dial, with the real port filled in; what a host means
@@ -52,7 +56,10 @@ from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_g
 from omni_common.errors import (
     FailedPreconditionError,
     InvalidArgumentError,
+    OmniError,
     UnavailableError,
+    log_internal,
+    public_message,
     sanitize_message,
 )
 from omni_common.net import MAX_UDS_PATH_BYTES, dial_host, uds_path_bytes
@@ -318,6 +325,13 @@ def _same_kind_handler(
     )
 
 
+def _behavior_of(handler: grpc.RpcMethodHandler) -> Callable[..., Any]:
+    """The servicer function of `handler`, whatever its streaming kind."""
+    if handler.request_streaming:
+        return handler.stream_stream if handler.response_streaming else handler.stream_unary
+    return handler.unary_stream if handler.response_streaming else handler.unary_unary
+
+
 def _aborting(code: grpc.StatusCode, message: str) -> Callable[..., Awaitable[None]]:
     async def abort(request: object, context: grpc.aio.ServicerContext) -> None:
         await context.abort(code, message)
@@ -369,6 +383,83 @@ class _Malformed:
     error: str
 
 
+class InternalErrorInterceptor(grpc.aio.ServerInterceptor):
+    """No exception leaves a servicer as UNKNOWN (installed by `build_server` on every server).
+
+    grpc.aio ends a call whose handler raises with UNKNOWN and the
+    exception's class and text in the message: a bug of ours would read as
+    nothing in particular, and its text (paths, addresses, other requests'
+    values) would reach the client. This interceptor wraps every method,
+    unary and streaming (an async generator or a coroutine that writes;
+    a synchronous handler, which grpc runs on a thread, is left alone):
+
+    - an `OmniError` ends the call with its own code and its (sanitized) message;
+    - a status the servicer already set (``context.set_code``) before raising
+      is kept, with its details;
+    - an abort (``context.abort``) and a cancellation pass through untouched;
+    - anything else is a bug: INTERNAL with a message naming an error id,
+      under which `log_internal` logs the traceback.
+
+    It is the outermost interceptor, so the other interceptors' aborts
+    (authentication, malformed requests) pass through it unchanged.
+    """
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        handler_call_details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return handler
+        method = handler_call_details.method or "a call"
+        behavior = _behavior_of(handler)
+        if not (inspect.iscoroutinefunction(behavior) or inspect.isasyncgenfunction(behavior)):
+            return handler  # a synchronous handler: grpc runs it on a thread, left as it is
+        return _same_kind_handler(handler, _guarded(behavior, method), handler.request_deserializer)
+
+
+def _guarded(behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
+    """`behavior`, its escaping exceptions turned into a status (`InternalErrorInterceptor`)."""
+    if inspect.isasyncgenfunction(behavior):
+
+        async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            async with _status_for_errors(context, method):
+                async for item in behavior(request, context):
+                    yield item
+
+        return stream
+
+    async def call(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async with _status_for_errors(context, method):
+            result = behavior(request, context)
+            return await result if inspect.isawaitable(result) else result
+
+    return call
+
+
+@contextlib.asynccontextmanager
+async def _status_for_errors(context: grpc.aio.ServicerContext, method: str) -> AsyncIterator[None]:
+    """An exception escaping the block ends the call (`_abort_for`); aborts and cancellations pass."""
+    try:
+        yield
+    except (grpc.aio.AbortError, asyncio.CancelledError):
+        raise
+    except Exception as exc:  # noqa: BLE001 -- every escaping error gets a status
+        await _abort_for(exc, context, method)
+
+
+async def _abort_for(exc: Exception, context: grpc.aio.ServicerContext, method: str) -> None:
+    """End the call for `exc` escaping `method` (raises grpc's AbortError)."""
+    if isinstance(exc, OmniError):
+        await context.abort(exc.code, public_message(exc))
+    code = context.code()
+    if code is not None and code is not grpc.StatusCode.OK:
+        details = context.details()
+        await context.abort(code, details.decode(errors="replace") if isinstance(details, bytes) else details or "")
+    await context.abort(grpc.StatusCode.INTERNAL, log_internal(logger, method, exc))
+
+
 class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
     """A unary request that does not parse ends with INVALID_ARGUMENT, not UNKNOWN.
 
@@ -390,14 +481,9 @@ class MalformedRequestInterceptor(grpc.aio.ServerInterceptor):
             return handler
         parse = handler.request_deserializer
         method = handler_call_details.method or ""
-        if handler.request_streaming:
-            behavior = handler.stream_stream if handler.response_streaming else handler.stream_unary
-            return _same_kind_handler(handler, _checked_stream(behavior, method), _safe(parse))
-        if handler.response_streaming:
-            behavior = handler.unary_stream
-        else:
-            behavior = handler.unary_unary
-        return _same_kind_handler(handler, _checked(behavior, method), _safe(parse))
+        behavior = _behavior_of(handler)
+        checked = _checked_stream if handler.request_streaming else _checked
+        return _same_kind_handler(handler, checked(behavior, method), _safe(parse))
 
 
 def _safe(parse: Callable[[bytes], Any]) -> Callable[[bytes], Any]:
@@ -593,7 +679,7 @@ async def build_server(
     credentials = config.tls.server_credentials() if config.tls is not None else None
     server = grpc.aio.server(
         options=server_options(config.max_message_bytes, config.max_receive_message_bytes),
-        interceptors=list(config.interceptors) or None,
+        interceptors=[InternalErrorInterceptor(), *config.interceptors],
     )
     register(server)
 
@@ -828,6 +914,7 @@ __all__ = [
     "serve",
     "server_options",
     "set_health",
+    "InternalErrorInterceptor",
     "wait_for_health",
     "wait_for_health_sync",
 ]

@@ -48,6 +48,7 @@ class ServiceProcess:
     next_start: float = 0.0  # end of the backoff
     next_liveness: float = 0.0  # when the launcher next checks its liveness entry (decoders)
     not_live: int = 0  # NOT_SERVING answers of its liveness entry in a row
+    answered_at: float = 0.0  # time.monotonic() of its liveness entry's last answer
     # Process groups of earlier incarnations: {pgid: time.time() when its leader
     # was seen gone}. Only processes older than that are its members: once the
     # group is empty the number may be reused by an unrelated process.

@@ -61,9 +61,13 @@ class StackConfig:
     restart_backoff_max: float = 10.0
     restart_reset: float = 30.0
     # Liveness: every liveness_poll seconds the launcher checks each serving
-    # decoder's `omni_serving.liveness` health entry; NOT_SERVING twice in a
-    # row restarts it as after a crash. 0 = off.
+    # decoder's and gateway's `omni_serving.liveness` health entry; NOT_SERVING twice in a
+    # row restarts it as after a crash. 0 = off. A decoder that does not answer
+    # that check at all (stopped, wedged event loop) for liveness_unanswered_s
+    # seconds is restarted too; long, so that a slow answer under load does
+    # not restart a healthy one. 0 = off.
     liveness_poll: float = 3.0
+    liveness_unanswered_s: float = 60.0
     # Passed to the gateway as they are (empty = not passed).
     tls_cert: str = ""
     tls_key: str = ""
@@ -106,6 +110,15 @@ class StackConfig:
                 raise ConfigError(f"{key}: must be > 0 seconds, got {getattr(self, key)}")
         if self.liveness_poll < 0:
             raise ConfigError(f"liveness_poll: must be >= 0 seconds (0 = off), got {self.liveness_poll}")
+        if self.liveness_unanswered_s < 0:
+            raise ConfigError(
+                f"liveness_unanswered_s: must be >= 0 seconds (0 = off), got {self.liveness_unanswered_s}"
+            )
+        if 0 < self.liveness_unanswered_s < 2 * self.liveness_poll:
+            raise ConfigError(
+                f"liveness_unanswered_s: {self.liveness_unanswered_s:g} is below two liveness checks "
+                f"(2 x liveness_poll = {2 * self.liveness_poll:g}); 0 = off"
+            )
         if self.restart_backoff_max < self.restart_backoff:
             raise ConfigError(
                 f"restart_backoff_max: {self.restart_backoff_max} is below "
@@ -263,8 +276,16 @@ UP_OPTIONS: tuple[UpOption, ...] = (
     UpOption(
         "liveness_poll",
         float,
-        "seconds between checks of each decoder's omni_serving.liveness health entry; "
+        "seconds between checks of each decoder's and gateway's (without TLS) omni_serving.liveness health entry; "
         "NOT_SERVING twice in a row restarts it as after a crash (0 = off)",
+        metavar="S",
+    ),
+    UpOption(
+        "liveness_unanswered_s",
+        float,
+        "seconds a serving decoder or gateway may leave its liveness check unanswered (stopped, wedged) "
+        "before it is killed and restarted as after a crash; long, so that a slow answer under "
+        "load does not restart a healthy one (0 = off)",
         metavar="S",
     ),
     UpOption(

@@ -14,12 +14,18 @@ starting -> running -> (exits) -> backoff -> starting -> ... or failed.
   does not within `startup_timeout` is killed and counts as a failure.
 - A service the launcher stopped itself (`stop_expected`, a failed rolling
   restart) is started again at once, without counting a failure.
-- A running decoder whose `omni_serving.liveness` health entry
+- A running decoder or gateway whose `omni_serving.liveness` health entry
   (`omni_common.liveness`) answers NOT_SERVING in `NOT_LIVE_CHECKS` checks in
   a row, one every `liveness_poll` seconds (0 = off), is killed and restarted
-  as after a crash, the log naming the reason. Only NOT_SERVING counts: an
-  answer that does not come (a busy service) or a decoder without the entry
-  is left to the other checks.
+  as after a crash, the log naming the reason.
+- One whose liveness check gets no answer at all (a stopped process, a
+  wedged event loop: nothing in it can say NOT_SERVING) for longer than
+  `liveness_unanswered_s` (0 = off) is killed and restarted the same way.
+  The time counts from its last answer of any kind (SERVING, NOT_SERVING, an
+  unknown entry), or from when it became healthy; it is long (60 s by
+  default) so that a check that times out under load does not restart a
+  healthy service. A service without the entry answers (NOT_FOUND): it is
+  never restarted by either rule.
 
 Invariant: `Supervisor.poll_service` only notices and acts, it never waits
 longer than one short health check; the stack calls it for each service in
@@ -51,6 +57,10 @@ NOT_LIVE_CHECKS = 2
 LIVENESS_CHECK_TIMEOUT_S = 0.2
 """The longest one liveness check waits (the supervisor's round never waits longer)."""
 
+LIVENESS_ROLES = ("decoder", "gateway")
+"""The services whose liveness entry the launcher checks (a gateway serving
+TLS is not: the launcher's check speaks plain gRPC)."""
+
 
 def liveness_status(svc: ServiceProcess, timeout_s: float) -> str:
     """`svc`'s `omni_serving.liveness` health answer ("SERVING", "NOT_SERVING",
@@ -60,19 +70,28 @@ def liveness_status(svc: ServiceProcess, timeout_s: float) -> str:
             resp = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=LIVENESS_SERVICE), timeout=timeout_s
             )
-    except grpc.RpcError:
+    except grpc.RpcError as exc:
+        if exc.code() == grpc.StatusCode.NOT_FOUND:  # it answered: no such entry
+            return "SERVICE_UNKNOWN"
         return ""
     return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
 
 def count_not_live(status: str, not_live: int) -> int:
     """The NOT_SERVING answers in a row after `status` (`NOT_LIVE_CHECKS`: restart);
-    an answer that did not come neither counts nor resets the count."""
+    an answer that did not come ("") neither counts nor resets the count."""
     if status == "NOT_SERVING":
         return not_live + 1
     if status == "":
         return not_live
     return 0
+
+
+def unanswered_for(answered_at: float, now: float, limit_s: float) -> float | None:
+    """How long a service has left its liveness check unanswered, when that is
+    longer than `limit_s` (restart it); None otherwise or when `limit_s` is 0 (off)."""
+    silent = now - answered_at
+    return silent if limit_s > 0 and silent > limit_s else None
 
 
 class Supervisor:
@@ -139,24 +158,38 @@ class Supervisor:
         return None
 
     def _check_live(self, svc: ServiceProcess, now: float) -> str | None:
-        """A running decoder: check its liveness entry when due; stuck in
-        `NOT_LIVE_CHECKS` checks in a row, kill it and restart it as after a crash."""
+        """A running decoder or gateway: check its liveness entry when due; stuck in
+        `NOT_LIVE_CHECKS` checks in a row, or no answer for longer than
+        `liveness_unanswered_s`, kill it and restart it as after a crash."""
         poll = self.cfg.liveness_poll
-        if svc.role != "decoder" or poll <= 0 or now < svc.next_liveness:
+        if svc.role not in LIVENESS_ROLES or poll <= 0 or now < svc.next_liveness:
+            return None
+        if svc.role == "gateway" and self.cfg.tls_cert:
             return None
         assert svc.proc is not None
         svc.next_liveness = now + poll
-        svc.not_live = count_not_live(self._check_liveness(svc, LIVENESS_CHECK_TIMEOUT_S), svc.not_live)
-        if svc.not_live < NOT_LIVE_CHECKS:
-            return None
-        svc.not_live = 0
-        self._log(
-            f"{svc.name} (pid {svc.proc.pid}) reports not live ({LIVENESS_SERVICE} NOT_SERVING "
-            f"in {NOT_LIVE_CHECKS} checks in a row, {poll:g}s apart): killing it"
-        )
+        status = self._check_liveness(svc, LIVENESS_CHECK_TIMEOUT_S)
+        if status:
+            svc.answered_at = time.monotonic()
+        svc.not_live = count_not_live(status, svc.not_live)
+        if svc.not_live >= NOT_LIVE_CHECKS:
+            svc.not_live = 0
+            why = (f"reports not live ({LIVENESS_SERVICE} NOT_SERVING in {NOT_LIVE_CHECKS} checks "
+                   f"in a row, {poll:g}s apart)")
+            return self._kill_stuck(svc, why, f"was stuck ({LIVENESS_SERVICE} NOT_SERVING)", now)
+        silent = unanswered_for(max(svc.answered_at, svc.healthy_at), now, self.cfg.liveness_unanswered_s)
+        if silent is not None:
+            why = (f"did not answer its {LIVENESS_SERVICE} check for {silent:.1f}s "
+                   f"(liveness-unanswered-s {self.cfg.liveness_unanswered_s:g})")
+            return self._kill_stuck(svc, why, f"did not answer for {silent:.1f}s (stopped or wedged)", now)
+        return None
+
+    def _kill_stuck(self, svc: ServiceProcess, why: str, what: str, now: float) -> str | None:
+        assert svc.proc is not None
+        self._log(f"{svc.name} (pid {svc.proc.pid}) {why}: killing it")
         signal_group(svc.proc.pid, signal.SIGKILL)
         svc.proc.wait()
-        return self._crashed(svc, f"was stuck ({LIVENESS_SERVICE} NOT_SERVING)", now)
+        return self._crashed(svc, what, now)
 
     def _crashed(self, svc: ServiceProcess, what: str, now: float) -> str | None:
         """`svc` exited without being asked to: schedule its restart or give up."""

@@ -485,12 +485,17 @@ def check_probes(objects) -> None:
     gw = _container(objects, GATEWAY, "gateway")
     gw_flags = _flags(objects, "gateway")
     gw_port = _port(gw_flags["--listen"])
-    # Readiness follows the decoders (the gateway's grpc health does); liveness only the process.
+    # Readiness follows the decoders and the event loop (the overall entry);
+    # liveness the liveness entry (the event loop only, never the decoders).
     assert gw.get("readinessProbe", {}).get("grpc", {}).get("port") == gw_port, (
         f"gateway readiness: {gw.get('readinessProbe')}"
     )
-    assert gw.get("livenessProbe", {}).get("tcpSocket", {}).get("port") == gw_port, (
-        f"gateway liveness: {gw.get('livenessProbe')}"
+    assert gw.get("readinessProbe", {}).get("grpc", {}).get("service", "") == "", (
+        f"gateway readiness: {gw.get('readinessProbe')} (want the overall entry)"
+    )
+    gw_live = gw.get("livenessProbe", {}).get("grpc", {})
+    assert gw_live.get("port") == gw_port and gw_live.get("service") == LIVENESS_SERVICE, (
+        f"gateway liveness: {gw.get('livenessProbe')} (want grpc {gw_port}, service {LIVENESS_SERVICE!r})"
     )
     declared = sorted(p["containerPort"] for p in gw["ports"])
     assert declared == sorted([gw_port, int(gw_flags["--http-port"])]), f"gateway ports {declared}"
@@ -794,7 +799,11 @@ BREAKAGES: dict[str, tuple[Callable[[dict], None], Callable[[dict], None]]] = {
         check_probes,
     ),
     "gateway liveness on its decoders' health": (
-        lambda o: _gateway(o).update(livenessProbe={"grpc": {"port": 50051}}),
+        lambda o: _gateway(o)["livenessProbe"]["grpc"].pop("service"),
+        check_probes,
+    ),
+    "gateway liveness on the TCP port only": (
+        lambda o: _gateway(o).update(livenessProbe={"tcpSocket": {"port": 50051}}),
         check_probes,
     ),
     "decoder listening on another port": (

@@ -8,11 +8,17 @@ judged by its own sent steps and its own last answer; a drained stream
 that stops answering is abandoned on its own; a step that finds no arena
 slot because the handover's steps hold them goes to the replacement
 (inline) instead of being built in-process.
+
+The dispatcher's own liveness (``omni_common.liveness``): a real dispatch
+loop on a thread whose step handling blocks (``WedgedDispatcher``, a test
+double) is judged stuck (``link:test``) by a liveness watchdog on a fake
+clock while steps wait, and not stuck once it moves or has nothing waiting.
 """
 
 from __future__ import annotations
 
 import queue
+import threading
 import time
 
 import torch
@@ -20,10 +26,12 @@ import torch
 from decoder_svc.link.delivery import Delivery
 from decoder_svc.link.dispatch import Dispatcher
 from decoder_svc.link.failover import Failover
-from decoder_svc.link.state import Attachment, Entry, Handover, LinkState, Stream
+from decoder_svc.link.state import STOP, Attachment, Entry, Handover, LinkState, Stream
 from decoder_svc.link.watchdog import Watchdog
 from decoder_svc.snapshot import PER_TOKEN, SnapshotMeta
+from omni_common import liveness
 from omni_common.materialize import HIDDEN_STATES
+from tests.test_liveness import FakeClock
 
 STALL_S = 3.0
 MAX_PENDING = 4
@@ -230,3 +238,54 @@ def test_step_without_a_slot_outside_a_handover_is_built_in_process():
     assert [(e.meta.step_id, e.local) for e in st.pending] == [(1, None), (2, "no_slot")], [
         (e.meta.step_id, e.local) for e in st.pending
     ]
+
+
+class WedgedDispatcher(Dispatcher):
+    """A test double: the real dispatch loop, whose handling of a step blocks
+    until `release` is set (a send or a build that never returns)."""
+
+    def __init__(self, *args) -> None:
+        super().__init__(*args)
+        self.release = threading.Event()
+        self.wedged = threading.Event()
+        self.dispatched: list[int] = []
+
+    def _dispatch(self, meta, local) -> None:
+        self.wedged.set()
+        self.release.wait(30)
+        self.dispatched.append(meta.step_id)
+
+
+def test_a_wedged_dispatch_loop_is_stuck_while_steps_wait_and_moves_again():
+    st = state()
+    delivery = Delivery(st, lambda step, m: None, None)
+    disp = WedgedDispatcher(st, delivery, Failover(st, delivery))
+    clock = FakeClock()
+    dog = liveness.Watchdog(liveness.StallLimits(floor_s=5.0, factor=20.0, grace_s=10.0), clock=clock)
+    dog.watch(disp.progress)
+    loop = threading.Thread(target=disp.loop, daemon=True)
+    loop.start()
+    try:
+        clock.t += 100
+        assert dog.look() == [] and dog.ready, "an idle dispatch loop was judged stuck"
+        st.inbox.put((meta(1), None))
+        assert disp.wedged.wait(10), "the dispatch loop never took the step"
+        st.inbox.put((meta(2), None))  # a step waiting to go out behind the wedged one
+        dog.look()
+        clock.t += 6
+        stuck = dog.look()
+        assert [s.name for s in stuck] == ["link:test"] and not dog.ready, f"stuck: {stuck}"
+        clock.t += 6
+        dog.look()
+        assert not dog.live, "stuck past the grace, still live"
+        disp.release.set()
+        deadline = time.monotonic() + 10
+        while disp.dispatched != [1, 2] or disp.progress.has_work():
+            assert time.monotonic() < deadline, f"the loop did not move: {disp.dispatched}"
+            time.sleep(0.01)
+        assert disp.progress.count == 2, f"turns: {disp.progress.count}"
+        assert dog.look() == [] and dog.ready and dog.live, f"still stuck after it moved: {dog.stuck()}"
+    finally:
+        disp.release.set()
+        st.inbox.put(STOP)
+        loop.join(10)

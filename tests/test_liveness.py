@@ -111,3 +111,30 @@ def test_a_failing_question_counts_as_busy_and_a_failing_recovery_keeps_the_verd
 def test_limits_refuse_bad_values_naming_the_setting(floor, factor, grace, field):
     with pytest.raises(InvalidArgumentError, match=field):
         StallLimits(floor, factor, grace)
+
+
+def test_part_not_ready_for_another_reason_makes_the_service_not_ready_but_never_not_live():
+    clock, dog, changes = make()
+    why = ["restarting"]
+    dog.watch(Progress("stage:talker", lambda: False, not_ready=lambda: why[0], clock=clock))
+    assert dog.look() == [], "a restarting part is not stuck"
+    assert not dog.ready and dog.live, f"ready={dog.ready} live={dog.live} while a part restarts"
+    assert [(w.name, w.why) for w in dog.waiting()] == [("stage:talker", "restarting")], dog.waiting()
+    assert changes == [(False, True, [])], f"changes: {changes}"
+    clock.t += 1000  # far past the grace: restarting never makes it not live
+    dog.look()
+    assert dog.live and changes == [(False, True, [])], f"changes: {changes}"
+    why[0] = ""
+    dog.look()
+    assert dog.ready and dog.waiting() == [] and changes[-1] == (True, True, []), f"changes: {changes}"
+
+
+def test_a_failing_not_ready_question_leaves_the_part_ready():
+    clock, dog, _ = make()
+
+    def broken() -> str:
+        raise RuntimeError("boom")
+
+    dog.watch(Progress("p", lambda: False, not_ready=broken, clock=clock))
+    dog.look()
+    assert dog.ready and dog.waiting() == [], "a failing not_ready question made the service not ready"

@@ -3,17 +3,23 @@
 - In the decoder's process: a fake engine whose step blocks on an Event
   (``WedgingFakeBackend``, a test double) wedges the decode loop under load;
   the watchdog fails its requests with UNAVAILABLE naming the stall, reports
-  not ready, then not live past the grace, and ready again once it moves.
+  not ready, then not live past the grace, and ready again once it moves;
+  GetDecoderInfo names the stuck part meanwhile (stuck_parts, not_live).
 - In a stage process: SIGSTOP the talker's process under load (real
   processes, pipes and shared memory; the fake engine): its requests end
   with UNAVAILABLE naming the stall, the process is killed and started
   again, new requests succeed.
+- Readiness while a stage restarts: SIGKILL a serving decoder's talker
+  process; its "" and DecoderService health entries go NOT_SERVING until the
+  new process is ready, then SERVING again (a thread polls them meanwhile);
+  GetDecoderInfo shows the stage restarting meanwhile.
 - The options: validated, the option named.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import os
 import re
 import signal
@@ -26,12 +32,14 @@ from decoder_svc.backend import RequestSpec
 from decoder_svc.pipeline import Pipeline
 from decoder_svc.profile import load_profile
 from decoder_svc.server import add_arguments, stall_limits
+from decoder_svc.servicer import DecoderServicer
 from decoder_svc.stage.liveness import watch_stages
 from decoder_svc.testing.fake_engine import FakeBackend, fake_vocoder
 from omni_common.errors import InvalidArgumentError, UnavailableError
 from omni_common.liveness import StallLimits, Watchdog
 from omni_common.modality import OutputModality
 from omni_common.shm_arena import list_segments
+from omni_serving.v1 import decoder_pb2
 from tests.test_pipeline import Collector
 from tests.test_stage_processes import PREFIX, ErrorCollector, start
 
@@ -97,6 +105,12 @@ def speak(pipeline: Pipeline, col: Collector, rid: str, seed: int) -> None:
                                 modality=OutputModality.AUDIO), col.sink_for(rid))
 
 
+def decoder_info(pipeline: Pipeline, watchdog: Watchdog) -> decoder_pb2.GetDecoderInfoResponse:
+    """GetDecoderInfo of a servicer over `pipeline` and `watchdog` (called directly: no server)."""
+    servicer = DecoderServicer(pipeline, engine="fake", materializer_target="", watchdog=watchdog)
+    return asyncio.run(servicer.GetDecoderInfo(decoder_pb2.GetDecoderInfoRequest(), None))
+
+
 def test_a_wedged_decode_loop_in_process_fails_its_requests_and_is_reported():
     profile = load_profile("tts")
     backend = WedgingFakeBackend(wedge_at=5, role="talker")
@@ -122,7 +136,13 @@ def test_a_wedged_decode_loop_in_process_fails_its_requests_and_is_reported():
             check_caught(str(err), 0.5)
         assert not watchdog.ready, "a stuck decode loop left the decoder ready"
         assert [s.name for s in watchdog.stuck()] == ["stage:talker"], f"stuck: {watchdog.stuck()}"
+        info = decoder_info(pipeline, watchdog)
+        assert [p.name for p in info.stuck_parts] == ["stage:talker"], f"GetDecoderInfo: {info.stuck_parts}"
+        part = info.stuck_parts[0]
+        assert part.seconds >= part.limit_s >= 0.5 and not part.restarting, f"stuck part: {part}"
+        assert "stage:talker made no progress for" in part.description, f"stuck part: {part}"
         wait_for(lambda: not watchdog.live, 5, "stuck past the grace, the decoder stayed live")
+        assert decoder_info(pipeline, watchdog).not_live, "GetDecoderInfo says live past the grace"
         # (a look delayed past the grace on a loaded machine reports both at once)
         wait_for(lambda: (False, False) in changes, 5, f"not live never reported: {changes}")
         assert changes[0][0] is False and changes[:2] in ([(False, True), (False, False)], [(False, False)]), (
@@ -132,6 +152,8 @@ def test_a_wedged_decode_loop_in_process_fails_its_requests_and_is_reported():
         backend.release.set()
         wait_for(lambda: watchdog.ready and watchdog.live, 5, "the loop moved but the decoder stayed not ready")
         wait_for(lambda: changes[-1] == (True, True), 5, f"ready again never reported: {changes}")
+        info = decoder_info(pipeline, watchdog)
+        assert not info.stuck_parts and not info.not_live, f"after it moved again: {info}"
         speak(pipeline, col, "after", 9)
         col.wait(4, timeout=30)
         assert col.finish["after"] not in ("error",) and col.audio.get("after"), (col.finish, col.errors)
@@ -241,6 +263,15 @@ def _health(target: str, service: str) -> str:
     return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
 
 
+def _decoder_info(target: str) -> decoder_pb2.GetDecoderInfoResponse:
+    import grpc
+
+    from omni_serving.v1 import decoder_pb2_grpc
+
+    with grpc.insecure_channel(target) as ch:
+        return decoder_pb2_grpc.DecoderServiceStub(ch).GetDecoderInfo(decoder_pb2.GetDecoderInfoRequest(), timeout=5)
+
+
 def stage_decoder(tmp, name: str, materializer_target: str, *extra: str):
     """A decoder process (fake engine, tts) with its stage in a process of its own."""
     from tests.test_link_faults import decoder
@@ -272,10 +303,98 @@ def test_a_stopped_stage_process_of_a_serving_decoder_ends_its_calls_unavailable
         check_ended_by_stall(calls, 60, "stage talker made no progress for", 2.0)
         wait_for(lambda: "stage talker: restarted (pid" in dec.log_text(), 120, "the talker did not come back")
         assert _stage_pid(dec.proc.pid, "talker") not in (None, talker), "the talker's process is the stopped one"
-        assert _health(dec.target, "") == "SERVING", "the decoder is not ready after the restart"
+        # ready again at the watchdog's next look after the restart
+        wait_for(lambda: _health(dec.target, "") == "SERVING", 10, "the decoder is not ready after the restart")
         check_outputs(batch(dec.target, "after", 2, 60))
         assert _health(dec.target, "omni_serving.liveness") == "SERVING", "a restarted stage left it not live"
         assert "decode loop made no progress for" in dec.log_text(), dec.log_text()[-3000:]
     finally:
+        dec.kill()
+        mat.kill()
+
+
+class HealthPoller:
+    """Polls a decoder's readiness entries and GetDecoderInfo on a thread of
+    its own, recording every answer (`seen`: (entry, status); `infos`) until `stop`."""
+
+    ENTRIES = ("", "omni_serving.v1.DecoderService")
+
+    def __init__(self, target: str) -> None:
+        self.target = target
+        self.seen: list[tuple[str, str]] = []
+        self.infos: list[decoder_pb2.GetDecoderInfoResponse] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        from omni_serving.v1 import decoder_pb2_grpc
+
+        with grpc.insecure_channel(self.target) as ch:
+            stub = health_pb2_grpc.HealthStub(ch)
+            info_stub = decoder_pb2_grpc.DecoderServiceStub(ch)
+            while not self._stop.is_set():
+                for entry in self.ENTRIES:
+                    try:
+                        resp = stub.Check(health_pb2.HealthCheckRequest(service=entry), timeout=2)
+                    except grpc.RpcError as exc:
+                        self.seen.append((entry, f"error {exc.code()}"))
+                        continue
+                    self.seen.append((entry, health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)))
+                try:
+                    self.infos.append(info_stub.GetDecoderInfo(decoder_pb2.GetDecoderInfoRequest(), timeout=2))
+                except grpc.RpcError:
+                    pass
+                self._stop.wait(0.02)
+
+    def stop(self) -> list[tuple[str, str]]:
+        self._stop.set()
+        self._thread.join(10)
+        return self.seen
+
+
+@pytest.mark.e2e
+def test_a_decoder_is_not_ready_while_its_stage_process_restarts(tmp_path):
+    from tests.test_link_faults import batch, check_outputs, materializer
+
+    deployment = f"rdy{os.getpid()}"
+    mat = materializer(tmp_path, deployment).start()
+    dec = stage_decoder(tmp_path, deployment, mat.target)
+    poller = None
+    try:
+        dec.start(timeout_s=120)
+        for entry in HealthPoller.ENTRIES:
+            assert _health(dec.target, entry) == "SERVING", f"health entry {entry!r} is not SERVING at start"
+        talker = _stage_pid(dec.proc.pid, "talker")
+        assert talker is not None, "no talker stage process under the decoder"
+        poller = HealthPoller(dec.target)
+        wait_for(lambda: len(poller.seen) >= 2, 10, "the health poller got no answer")
+        os.kill(talker, signal.SIGKILL)
+        wait_for(lambda: "stage talker: restarted (pid" in dec.log_text(), 120, "the talker did not come back")
+        wait_for(lambda: poller.seen[-2:] == [(e, "SERVING") for e in HealthPoller.ENTRIES], 10,
+                 f"not SERVING again after the restart: {poller.seen[-4:]}")
+        seen = poller.stop()
+        for entry in HealthPoller.ENTRIES:
+            statuses = [st for e, st in seen if e == entry]
+            assert "NOT_SERVING" in statuses, f"{entry!r} never NOT_SERVING while the talker restarted: {statuses}"
+            first_down = statuses.index("NOT_SERVING")
+            assert set(statuses[:first_down]) == {"SERVING"}, f"{entry!r} before the kill: {statuses}"
+        assert "not ready: stage:talker is restarting" in dec.log_text(), dec.log_text()[-3000:]
+        restarting = [i for i in poller.infos if any(p.restarting for p in i.stuck_parts)]
+        assert restarting, f"GetDecoderInfo never showed the restart ({len(poller.infos)} answers)"
+        assert [p.name for p in restarting[0].stuck_parts] == ["stage:talker"], restarting[0].stuck_parts
+        assert any(st.name == "talker" and st.restarting for i in poller.infos for st in i.stages), (
+            "no StageInfo of the talker said restarting"
+        )
+        last = _decoder_info(dec.target)
+        assert not last.stuck_parts and not any(st.restarting for st in last.stages), f"after the restart: {last}"
+        assert _health(dec.target, "omni_serving.liveness") == "SERVING", "a restarting stage made it not live"
+        check_outputs(batch(dec.target, "after", 2, 60))
+    finally:
+        if poller is not None:
+            poller.stop()
         dec.kill()
         mat.kill()

@@ -3,6 +3,10 @@
 Real processes with the fake engine. Each service in turn is SIGKILLed (its
 main process only, the way the OOM killer or a segfault ends it); `up` must
 keep running, restart it after the backoff, and a Speak must succeed again.
+A decoder stopped with SIGSTOP (alive, answering nothing) is killed and
+restarted once its liveness check has gone unanswered for
+--liveness-unanswered-s (the log says how long), and a Speak succeeds
+afterwards.
 The shutdown tests stop `up` with SIGTERM in the awkward states (a service
 waiting for its restart, one starting again, a Speak in flight) and check
 that it exits 0 within --stop-timeout and leaves nothing behind.
@@ -159,6 +163,34 @@ def test_up_restarts_each_crashed_service_and_keeps_serving(up_factory):
     rc = up.stop("SIGTERM")
     print(f"stop after three restarts: {time.monotonic() - stopping:.1f}s")
     check_stopped(up, tree, rc)
+
+
+def test_up_restarts_a_decoder_that_answers_nothing(up_factory):
+    limit_s = 8.0
+    up = up_factory("--engine", "fake", "--stop-timeout", "20", "--liveness-poll", "0.5",
+                    "--liveness-unanswered-s", f"{limit_s:g}")
+    up.wait_ready(120)
+    speak_and_check(up)
+    victim = service_process(up, "decoder")
+    assert victim is not None, "no decoder process under `up`"
+    assert "did not answer its" not in up.errors(), f"a healthy decoder was restarted:\n{up.errors()[-3000:]}"
+    victim.send_signal(signal.SIGSTOP)
+    stopped_at = time.monotonic()
+    needle = f"decoder (pid {victim.pid}) did not answer its omni_serving.liveness check for "
+    wait_for_log(up, needle)
+    wait_for_log(up, "decoder did not answer for")
+    detected_at = time.monotonic()
+    silent = float(up.errors().split(needle, 1)[1].split("s", 1)[0])
+    assert silent >= limit_s, f"killed after {silent}s without an answer, limit {limit_s}s"
+    wait_for_log(up, "decoder is serving again")
+    assert not _alive(victim), "the stopped decoder is still there after its restart"
+    served_at = speak_until_served(up, SERVE_AGAIN_S["decoder"])
+    again = service_process(up, "decoder")
+    assert again is not None and again.pid != victim.pid, "the decoder was not restarted"
+    print(f"\nSIGSTOP -> restarted {detected_at - stopped_at:.1f}s (silent {silent:.1f}s), "
+          f"-> Speak served {served_at - stopped_at:.1f}s")
+    rc = up.stop("SIGTERM")
+    assert rc == 0, f"`up` stopped with {rc}:\n{up.errors()[-3000:]}"
 
 
 def test_up_gives_up_when_restarts_are_off(up_factory):

@@ -15,6 +15,11 @@ steps that find no slot while the replacement answers that backlog.
 On a stream of inline transport the tensors are copied out of the slot into
 the message (``SnapshotMeta.to_proto``); the slot stays held until the step
 is answered, as with handles.
+
+Liveness (``omni_common.liveness``): the loop advances ``progress`` itself
+once per item it has handled; work waits while an item is being handled or
+the inbox holds any (steps waiting to go out). A dispatcher wedged in a step
+stops its counter while steps pile up: the decoder's watchdog judges it.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from decoder_svc.link.delivery import Delivery
 from decoder_svc.link.failover import Failover
 from decoder_svc.link.state import FLUSH, STOP, Entry, LinkState, Stream
 from decoder_svc.snapshot import SnapshotMeta
+from omni_common.liveness import Progress
 from omni_serving.v1 import materializer_pb2
 
 logger = logging.getLogger(__name__)
@@ -39,26 +45,43 @@ class Dispatcher:
         self.state = state
         self.delivery = delivery
         self.failover = failover
+        self.handling = False  # an item taken from the inbox is being handled
+        self.progress = Progress(f"link:{state.name}", self.has_work)
+
+    def has_work(self) -> bool:
+        """Steps wait for the loop: one is being handled, or the inbox holds some."""
+        return self.handling or not self.state.inbox.empty()
 
     def loop(self) -> None:
         """Serve the inbox until STOP (the dispatcher thread)."""
-        st = self.state
         while True:
-            item = st.inbox.get()
-            if item is STOP:
-                try:
-                    self._drain_on_close()
-                except Exception:  # noqa: BLE001 -- close() takes the rest over
-                    logger.exception("materializer link: draining at shutdown failed")
-                return
-            if item is FLUSH:
-                self.flush_unsent()
-                continue
-            meta, local = item
+            item = self.state.inbox.get()
+            self.handling = True
+            t0 = time.monotonic()
             try:
-                self._dispatch(meta, local)
-            except Exception as exc:  # noqa: BLE001 -- fail this step, keep serving
-                self.delivery.fail(meta, exc, "link_dispatcher")
+                if self._handle(item):
+                    return
+            finally:
+                self.handling = False
+                self.progress.advance(time.monotonic() - t0)
+
+    def _handle(self, item) -> bool:
+        """One item of the inbox; True at STOP (the loop ends)."""
+        if item is STOP:
+            try:
+                self._drain_on_close()
+            except Exception:  # noqa: BLE001 -- close() takes the rest over
+                logger.exception("materializer link: draining at shutdown failed")
+            return True
+        if item is FLUSH:
+            self.flush_unsent()
+            return False
+        meta, local = item
+        try:
+            self._dispatch(meta, local)
+        except Exception as exc:  # noqa: BLE001 -- fail this step, keep serving
+            self.delivery.fail(meta, exc, "link_dispatcher")
+        return False
 
     def _encode(self, meta: SnapshotMeta, stream: Stream) -> materializer_pb2.MaterializeRequest:
         inline = stream.attachment is not None and stream.attachment.transport == "inline"

@@ -56,6 +56,7 @@ from decoder_svc.link.state import STOP, Attachment, LinkState
 from decoder_svc.link.transport import Transport
 from decoder_svc.link.watchdog import Watchdog
 from decoder_svc.snapshot import SnapshotMeta
+from omni_common.liveness import Progress
 from omni_common.shm_arena import ShmArena
 from omni_serving.v1 import materializer_pb2
 
@@ -189,6 +190,11 @@ class MaterializerLink:
         self.watchdog.note_slot_wait(seconds)
 
     # -- state ----------------------------------------------------------------------
+    @property
+    def progress(self) -> Progress:
+        """The dispatcher loop's liveness counter (``omni_common.liveness``)."""
+        return self.dispatcher.progress
+
     @property
     def connected(self) -> bool:
         """A stream is up, or a handover to a replacement is under way."""

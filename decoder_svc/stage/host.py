@@ -251,6 +251,9 @@ class _StageHost:
             busy=runner.has_work(),
             pace_s=runner.progress.pace_s,
             commands=runner.commands_taken,
+            link_turns=link.progress.count if link is not None else 0,
+            link_busy=bool(link is not None and link.progress.has_work()),
+            link_pace_s=link.progress.pace_s if link is not None else None,
             metrics=metrics_snapshot() if with_metrics else None,
         )
 

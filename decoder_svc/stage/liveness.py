@@ -1,7 +1,8 @@
 """The decoder's stages under a liveness watchdog (``omni_common.liveness``).
 
-``watch_stages`` puts every AR stage of a pipeline, and each code2wav worker
-process, under one ``Watchdog``:
+``watch_stages`` puts every AR stage of a pipeline, the dispatch loop of
+every materializer link (``link:<name>``: steps waiting to go out), and each
+code2wav worker process, under one ``Watchdog``:
 
 - a stage in a process of its own (``.proxy.StageProcess``): its progress
   follows the turn count its process reports; stuck, the process is killed
@@ -13,6 +14,10 @@ process, under one ``Watchdog``:
   UNAVAILABLE naming the stall, and the service reports itself not ready
   (the watchdog's verdict) until the loop moves again, not live past the
   grace (the supervisor or Kubernetes restarts it);
+- a link's dispatch loop is judged like its stage's decode loop: in a stage
+  process (its count reported in the process's ``Status``) the process is
+  killed and restarted; in this process the running requests are failed
+  and the decoder reports not ready, not live past the grace;
 - a code2wav worker process (``decoder_svc.code2wav.pool``, part
   ``code2wav:<index>``): its progress follows the chunks its decode loop
   reports; stuck, the process is killed (``Code2WavProcessPool.kill_stuck``),
@@ -48,16 +53,24 @@ logger = logging.getLogger(__name__)
 
 
 def watch_stages(pipeline: Pipeline, watchdog: Watchdog) -> list[Progress]:
-    """Watch every AR stage of `pipeline` and its code2wav worker processes
-    (if it has them) with `watchdog`; the parts watched."""
+    """Watch every AR stage of `pipeline`, the dispatch loop of every
+    materializer link, and its code2wav worker processes (if it has them)
+    with `watchdog`; the parts watched."""
     parts = []
     for runner in pipeline.runners.values():
-        progress = runner.progress
         if isinstance(runner, StageProcess):
-            progress.on_stuck = _kill(runner.kill_stuck, watchdog)
+            loops = [runner.progress, runner.link_progress]
+            runner.progress.on_stuck = _kill(
+                functools.partial(runner.kill_stuck, loop="decode loop"), watchdog)
+            runner.link_progress.on_stuck = _kill(
+                functools.partial(runner.kill_stuck, loop="materializer link"), watchdog)
         else:
-            progress.on_stuck = _fail_running(pipeline, watchdog)
-        parts.append(watchdog.watch(progress))
+            loops = [runner.progress]
+            runner.progress.on_stuck = _fail_running(pipeline, watchdog)
+        parts += [watchdog.watch(p) for p in loops]
+    if pipeline.link is not None:  # the link of the stages in this process
+        pipeline.link.progress.on_stuck = _fail_running(pipeline, watchdog)
+        parts.append(watchdog.watch(pipeline.link.progress))
     code2wav = pipeline.code2wav
     if isinstance(code2wav, Code2WavProcessPool):
         for index, progress in enumerate(code2wav.progress):

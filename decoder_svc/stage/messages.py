@@ -254,6 +254,10 @@ class Status:
     busy: bool = False
     pace_s: float | None = None
     commands: int = 0
+    # the materializer link's dispatch loop, likewise (no link: 0, False, None)
+    link_turns: int = 0
+    link_busy: bool = False
+    link_pace_s: float | None = None
     # a snapshot of the process's metrics (omni_common.metrics_forward), or None
     metrics: list | None = None
 

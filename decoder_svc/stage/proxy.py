@@ -157,7 +157,10 @@ class StageProcess(ReportedFacts):
         self._steps_before = 0  # steps, fallbacks and loop turns of earlier processes of this stage
         self._fallbacks_before = 0
         self._turns_before = 0
-        self.progress = Progress(f"stage:{self.name}", self._has_work)
+        self.progress = Progress(f"stage:{self.name}", self._has_work, not_ready=self._not_ready)
+        # its materializer link's dispatch loop (in the process; counted there, reported in Status)
+        self.link_progress = Progress(f"link:{self.name}", self._link_has_work)
+        self._link_turns_before = 0
         self.gaps_s: collections.deque[float] = collections.deque(maxlen=100_000)
         self.step_times_s: collections.deque[float] = collections.deque(maxlen=100_000)
         # set by attach(): where steps and failures go
@@ -330,17 +333,35 @@ class StageProcess(ReportedFacts):
                 return False
             return bool(status.busy) or proc.posted > status.commands
 
-    def kill_stuck(self, seconds: float, limit_s: float) -> None:
-        """The watchdog's verdict (no progress for `seconds`, over its limit):
-        kill the process; the reader fails its requests (naming the stall) and
-        the stage restarts as after a crash."""
+    def _link_has_work(self) -> bool:
+        """Steps wait for its link's dispatch loop (as its process last
+        reported), and the process is ready."""
+        with self._lock:
+            return self._ready.is_set() and self._proc is not None and bool(self._status.link_busy)
+
+    @property
+    def restarting(self) -> bool:
+        """Its process ended (a crash, a kill) and the next one is not ready yet."""
+        return self._relaunching and not self._ready.is_set()
+
+    def _not_ready(self) -> str:
+        """The watchdog's question (``Progress.not_ready``): the decoder is not
+        ready while a stage is being restarted."""
+        return f"restarting (restart {self.restarts}; its engine process ended)" if self.restarting else ""
+
+    def kill_stuck(self, seconds: float, limit_s: float, loop: str = "decode loop") -> None:
+        """The watchdog's verdict on one of its loops (`loop`: its decode
+        loop, or its materializer link's dispatch loop): no progress for
+        `seconds`, over its limit. Kill the process; the reader fails its
+        requests (naming the stall) and the stage restarts as after a crash."""
         with self._lock:
             proc = self._proc
             if proc is None or self._stopping or not self._ready.is_set():
                 return
-            proc.stalled = no_progress(seconds, limit_s)
-        logger.error("stage %s: decode loop %s; killing its engine process (pid %d)",
-                     self.name, proc.stalled, proc.process.pid)
+            what = "" if loop == "decode loop" else f"({loop}) "
+            proc.stalled = what + no_progress(seconds, limit_s)
+        logger.error("stage %s: %s %s; killing its engine process (pid %d)",
+                     self.name, loop, no_progress(seconds, limit_s), proc.process.pid)
         proc.process.kill()
 
     # -- status -----------------------------------------------------------------------
@@ -488,6 +509,9 @@ class StageProcess(ReportedFacts):
         self.progress.set_count(self._turns_before + int(status.turns))
         if status.pace_s is not None:
             self.progress.pace_s = status.pace_s
+        self.link_progress.set_count(self._link_turns_before + int(status.link_turns))
+        if status.link_pace_s is not None:
+            self.link_progress.pace_s = status.link_pace_s
         if status.metrics is not None:
             self.forwarded.update(self.metrics_source, {"stage": self.name}, status.metrics)
         for t_step, gap in status.observations:
@@ -540,6 +564,7 @@ class StageProcess(ReportedFacts):
             self._steps_before += int(self._status.steps)
             self._fallbacks_before += int(self._status.fallback_steps)
             self._turns_before += int(self._status.turns)
+            self._link_turns_before += int(self._status.link_turns)
             self._status = Status()
             relaunch = was_ready and not stopping and not self._relaunching
             self._relaunching = self._relaunching or relaunch
