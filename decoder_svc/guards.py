@@ -2,7 +2,15 @@
 
 Every condition must hold for the async path; otherwise the stage builds its
 payloads inside the step (synchronous path) and still serves. The decision and
-its reason are logged once per stage and reported by GetDecoderInfo.
+its reason are logged once per stage and reported by GetDecoderInfo; the
+reason ends with the engine's effective async scheduling (``; async
+scheduling on|off``) when the engine reports it.
+
+Async scheduling (vLLM's) is NOT a condition: the seed required it, but here
+the snapshot and the materializer handoff happen after ``step()`` has
+returned the step's rows, so the async output path needs nothing of the
+engine's scheduling. It is on only where the executor overlaps steps (not on
+vLLM's CPU platform: ``decoder_svc.vllm_engine.engine_factory``).
 """
 
 from __future__ import annotations
@@ -36,13 +44,11 @@ def evaluate(
     was actually built with; they win over the profile's stage settings.
     """
     facts = dict(engine_facts or {})
-    async_scheduling = bool(facts.get("async_scheduling", stage.async_scheduling))
     speculative = bool(facts.get("speculative_decoding", stage.speculative_decoding))
     routed = bool(facts.get("routed_experts", stage.routed_experts))
     postprocess = str(facts.get("postprocess", stage.postprocess))
     checks = (
         (stage.kind == "ar", "not an AR stage"),
-        (async_scheduling, "async scheduling is off for this stage"),
         (profile.async_chunk, "async_chunk is off in the profile"),
         (stage.use_async_output, "the stage does not opt in to async output"),
         (not speculative, "speculative decoding is on (its state is not snapshotted)"),
@@ -50,10 +56,13 @@ def evaluate(
         (postprocess in ("none", "eager"), "postprocess is deferred (the next step needs its state)"),
         (materializer_available, "no materializer configured"),
     )
+    scheduling = ""
+    if "async_scheduling" in facts:
+        scheduling = f"; async scheduling {'on' if facts['async_scheduling'] else 'off'}"
     for ok, why in checks:
         if not ok:
-            return GuardDecision(False, why)
-    return GuardDecision(True, "all guards pass")
+            return GuardDecision(False, why + scheduling)
+    return GuardDecision(True, "all guards pass" + scheduling)
 
 
 def log_decision(stage: StageConfig, decision: GuardDecision) -> None:

@@ -278,7 +278,8 @@ def logits_seen(monkeypatch) -> list[torch.Tensor]:
 
 @pytest.mark.parametrize("config", [TINY, GQA4], ids=["tiny", "gqa-8-2"])
 def test_a_seeded_request_gives_the_same_codes_alone_and_in_batches_of_7_and_64(config, logits_seen):
-    cp = predictor(config, seed=11)
+    """With batch_invariant (the mode that guarantees it)."""
+    cp = predictor(config, seed=11, batch_invariant=True)
     hid = config["hidden_size"]
     rng = torch.Generator().manual_seed(12)
     hidden, emb0 = torch.randn(1, hid, generator=rng), torch.randn(1, hid, generator=rng)
@@ -329,7 +330,7 @@ def test_padding_rows_never_change_real_rows():
 
 
 def test_batches_above_the_largest_bucket_run_in_chunks():
-    cp = predictor(max_bucket=8)
+    cp = predictor(max_bucket=8, batch_invariant=True)  # rows compared with the same rows alone
     rng = torch.Generator().manual_seed(8)
     h, e, temps, top_k, top_p, seeds, frames = _others(20, rng)
     codes, embed_sum = cp.predict(h, e, batch(temps, top_k, top_p, seeds, frames))
@@ -338,6 +339,38 @@ def test_batches_above_the_largest_bucket_run_in_chunks():
         one = cp.predict(h[i : i + 1], e[i : i + 1], batch(temps[i : i + 1], top_k[i : i + 1], top_p[i : i + 1],
                                                           seeds[i : i + 1], frames[i : i + 1]))
         assert torch.equal(codes[i], one[0][0]) and torch.equal(embed_sum[i], one[1][0]), f"row {i}"
+
+
+def test_a_lone_request_runs_unpadded_on_cpu_unless_batch_invariant(monkeypatch):
+    """Default (no batch_invariant): a batch of one is a GEMV, batches of two
+    or more are padded to the row tile, and a seeded request's codes are the
+    same in batches of 2, 7 and 64; its greedy codes alone equal the padded
+    (invariant) predictor's. batch_invariant (argument or environment) pads
+    a batch of one too."""
+    from decoder_svc.qwen3_omni.code_predictor import BATCH_INVARIANT_ENV
+
+    monkeypatch.delenv(BATCH_INVARIANT_ENV, raising=False)
+    fast, invariant = predictor(seed=3), predictor(seed=3, batch_invariant=True)
+    assert not fast.batch_invariant and invariant.batch_invariant
+    tile = fast.row_tile()
+    assert fast.bucket(1) == 1, f"a lone request padded to {fast.bucket(1)} rows"
+    assert invariant.bucket(1) == tile, f"batch_invariant: a lone request padded to {invariant.bucket(1)}, tile {tile}"
+    assert fast.bucket(2) == invariant.bucket(2) and fast.bucket(2) % tile == 0
+    monkeypatch.setenv(BATCH_INVARIANT_ENV, "1")
+    assert CodePredictor(TINY).batch_invariant, f"{BATCH_INVARIANT_ENV}=1 should turn it on"
+    assert not CodePredictor(TINY, batch_invariant=False).batch_invariant, "the argument wins over the environment"
+
+    rng = torch.Generator().manual_seed(4)
+    h, e, temps, top_k, top_p, seeds, frames = _others(64, rng)
+    greedy = batch([0.0], [0], [1.0], [5], [0])
+    alone, padded = fast.predict(h[:1], e[:1], greedy)[0], invariant.predict(h[:1], e[:1], greedy)[0]
+    assert torch.equal(alone, padded), f"greedy codes alone: unpadded {alone.tolist()}, padded {padded.tolist()}"
+    temps[0], top_k[0], top_p[0] = 1.0, 50, 0.8
+    want = None
+    for n in (2, 7, 64):
+        codes = fast.predict(h[:n], e[:n], batch(temps[:n], top_k[:n], top_p[:n], seeds[:n], frames[:n]))[0][0]
+        want = codes if want is None else want
+        assert torch.equal(codes, want), f"batch {n}: row 0 {codes.tolist()}, batch 2: {want.tolist()}"
 
 
 def test_row_tile_makes_matrix_products_row_invariant_here():

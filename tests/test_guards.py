@@ -16,13 +16,11 @@ PROFILE = load_profile("tts")
 TALKER = PROFILE.stage("talker")
 
 FALLBACKS = [
-    ("stage", {"async_scheduling": False}, {}, "async scheduling"),
     ("profile", {"async_chunk": False}, {}, "async_chunk"),
     ("stage", {"use_async_output": False}, {}, "opt in"),
     ("stage", {"speculative_decoding": True}, {}, "speculative"),
     ("stage", {"routed_experts": True}, {}, "routed-expert"),
     ("stage", {"postprocess": "deferred"}, {}, "postprocess"),
-    ("engine", {}, {"async_scheduling": False}, "async scheduling"),
     ("engine", {}, {"speculative_decoding": True}, "speculative"),
 ]
 
@@ -40,6 +38,21 @@ def test_no_materializer_means_sync():
     assert not d.use_async and "materializer" in d.reason
 
 
+def test_async_output_does_not_need_async_scheduling():
+    """The handoff to the materializer happens after step() returns: a stage
+    or an engine without async scheduling (vLLM's CPU platform turns it off)
+    still takes the async path, and the reason says which scheduling the
+    engine runs."""
+    off = dataclasses.replace(TALKER, async_scheduling=False)
+    for stage, facts in ((off, {}), (TALKER, {"async_scheduling": False}), (off, {"async_scheduling": False})):
+        d = evaluate(stage, PROFILE, materializer_available=True, engine_facts=facts)
+        assert d.use_async, f"stage async_scheduling={stage.async_scheduling}, facts {facts}: {d.reason}"
+    d = evaluate(TALKER, PROFILE, materializer_available=True, engine_facts={"async_scheduling": False})
+    assert d.reason == "all guards pass; async scheduling off", d.reason
+    d = evaluate(TALKER, PROFILE, materializer_available=False, engine_facts={"async_scheduling": True})
+    assert d.reason.endswith("; async scheduling on") and "materializer" in d.reason, d.reason
+
+
 @pytest.mark.parametrize(("where", "change", "facts", "reason"), FALLBACKS)
 def test_each_condition_falls_back(where, change, facts, reason):
     stage, profile = TALKER, PROFILE
@@ -52,7 +65,7 @@ def test_each_condition_falls_back(where, change, facts, reason):
     assert reason in d.reason, f"{d.reason=} does not mention {reason!r}"
 
 
-@pytest.mark.parametrize("change", [{"async_scheduling": False}, {"postprocess": "deferred"}, {"speculative_decoding": True}])
+@pytest.mark.parametrize("change", [{"use_async_output": False}, {"postprocess": "deferred"}, {"speculative_decoding": True}])
 def test_fallback_stage_still_serves_same_audio(tmp_path, change):
     """A stage whose guard fails runs the sync path and gives the same audio."""
     base, _ = run_batch("tts", n=4, materializer_target=None, arena=None)

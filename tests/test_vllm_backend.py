@@ -112,14 +112,16 @@ def check_step_invariants(out, hidden_size: int | None) -> None:
 
 
 @pytest.mark.vllm
-def test_hidden_capture_prefix_cache_and_embedding(models):
+def test_hidden_capture_prefix_cache_and_embedding(models, monkeypatch):
     """argmax(hidden @ lm_head.T) == sampled token for greedy rows (async
-    scheduling + prefix caching on); spans describe exactly the rows present
+    scheduling forced on, as a CUDA host runs it: a step's rows outlive the
+    next forward; prefix caching on); spans describe exactly the rows present
     when cached prompt tokens have none; embed() == normalised last hidden."""
     from decoder_svc.testing.standin_backend import StandinBackend
     from decoder_svc.testing.standin_models import CORPUS
     from decoder_svc.vllm_engine import engine_factory as rh
 
+    monkeypatch.setenv(rh.FORCE_ASYNC_ENV, "1")
     b = StandinBackend(models / "thinker", capture_hidden=True, enable_prefix_caching=True,
                     async_scheduling=True, max_num_seqs=16)
     try:
@@ -274,15 +276,18 @@ def speech_specs(n: int = 10) -> list[RequestSpec]:
 
 
 @pytest.mark.vllm
-def test_pipeline_sync_and_async_paths_give_identical_audio(models):
+def test_pipeline_sync_and_async_paths_give_identical_audio(models, monkeypatch):
     """10 seeded requests (temperature > 0, one at a time: identical batches
-    in both paths, see run_tts_pipeline): the synchronous path (engine
-    without async scheduling) and the asynchronous path (in-process builder
-    over a shm arena, engine with async scheduling, built by build_backends
-    from the tts profile) give byte-identical audio; code2wav's codebook 0 is
-    exactly what the engine reported."""
+    in every run, see run_tts_pipeline): the synchronous path (engine
+    without async scheduling), the asynchronous path as the tts profile
+    builds it on CPU (in-process builder over a shm arena; the profile asks
+    for async scheduling, vLLM's CPU platform keeps it off) and the same
+    with async scheduling forced on (OMNI_CPU_ASYNC_SCHEDULING=1, the
+    behaviour before) give byte-identical audio and codes; code2wav's
+    codebook 0 is exactly what the engine reported."""
     from decoder_svc.testing.standin_backend import StandinBackend
     from decoder_svc.testing.standin_profiles import build_backends
+    from decoder_svc.vllm_engine.engine_factory import FORCE_ASYNC_ENV
 
     specs = speech_specs(10)
     sync_backend = StandinBackend(models / "talker", async_scheduling=False, stop_token_ids=TALKER_STOP_IDS,
@@ -290,14 +295,26 @@ def test_pipeline_sync_and_async_paths_give_identical_audio(models):
     assert sync_backend.engine_facts()["async_scheduling"] is False
     sync = run_tts_pipeline(sync_backend, specs, async_path=False)
 
+    monkeypatch.delenv(FORCE_ASYNC_ENV, raising=False)
     async_backend = build_backends("tts", models, max_num_seqs=32, stop_token_ids=TALKER_STOP_IDS,
                                    pooling_engine="off")["talker"]
     facts = async_backend.engine_facts()
-    assert facts["async_scheduling"] is True and facts["capture_hidden"] is False
+    assert facts["async_scheduling"] is False, f"vLLM's CPU platform: async scheduling should stay off, {facts=}"
+    assert facts["capture_hidden"] is False
     assert facts["postprocess"] == "eager" and facts["async_output_eligible"] is True
     asyn = run_tts_pipeline(async_backend, specs, async_path=True)
+    # without async scheduling no step is scheduled past a stop: no row to drop
+    assert async_backend.dropped_rows == 0, f"{async_backend.dropped_rows} rows dropped with async scheduling off"
 
-    for audio, codes, reported, finals in (sync, asyn):
+    monkeypatch.setenv(FORCE_ASYNC_ENV, "1")
+    forced_backend = build_backends("tts", models, max_num_seqs=32, stop_token_ids=TALKER_STOP_IDS,
+                                    pooling_engine="off")["talker"]
+    assert forced_backend.engine_facts()["async_scheduling"] is True, forced_backend.engine_facts()
+    forced = run_tts_pipeline(forced_backend, specs, async_path=True)
+    # async scheduling scheduled a step past some stops; those rows were dropped
+    assert forced_backend.dropped_rows > 0
+
+    for audio, codes, reported, finals in (sync, asyn, forced):
         assert set(finals) == {s.request_id for s in specs}
         assert set(finals.values()) <= {"length", "stop"}
         for s in specs:
@@ -312,12 +329,11 @@ def test_pipeline_sync_and_async_paths_give_identical_audio(models):
                 assert reported[rid][-1] in TALKER_STOP_IDS or reported[rid][-1] == 0
     # both kinds of finish occur with these seeds
     assert {"length", "stop"} <= set(sync[3].values())
-    # async scheduling scheduled a step past some stops; those rows were dropped
-    assert async_backend.dropped_rows > 0
-    assert sync[3] == asyn[3]
-    for rid in sync[0]:
-        assert np.array_equal(sync[1][rid], asyn[1][rid]), rid
-        assert sync[0][rid] == asyn[0][rid], f"audio differs for {rid}"
+    for name, other in (("async path, scheduling off", asyn), ("async path, scheduling forced on", forced)):
+        assert sync[3] == other[3], f"{name}: finish reasons differ"
+        for rid in sync[0]:
+            assert np.array_equal(sync[1][rid], other[1][rid]), f"{name}: codes differ for {rid}"
+            assert sync[0][rid] == other[0][rid], f"{name}: audio differs for {rid}"
 
 
 @pytest.mark.vllm

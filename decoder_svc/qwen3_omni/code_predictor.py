@@ -16,7 +16,8 @@ frame with static shapes):
   into one ``qkv`` matrix, gate/up into ``gate_up``, the G-1 embedding tables
   and heads stacked.
 - The batch is padded to a bucket (a multiple of :func:`row_tile`, at most
-  ``max_bucket`` rows; larger batches run in chunks). The KV cache is one
+  ``max_bucket`` rows; larger batches run in chunks), except a batch of one
+  on CPU without ``batch_invariant`` (below). The KV cache is one
   preallocated buffer per device, written in place at each pass's positions;
   attention reads it without copying K/V for grouped-query attention (the
   query heads of one KV head are that head's query rows).
@@ -31,8 +32,26 @@ frame with static shapes):
   (:class:`_GraphRunner`) and replayed; elsewhere the same function runs
   eagerly (``torch.compile`` optional: ``compile=True``, off by default).
 
+Batch invariance is a setting (``batch_invariant``; the environment's
+``OMNI_CODE_PREDICTOR_BATCH_INVARIANT=1`` when not given; off by default).
+Padding a lone request to the host's row tile (4 rows on AVX2 with MKL) made
+batch 1 about 3x slower than the unpadded GEMV at the released widths on a
+2-core CPU, and slower than transformers' code predictor
+(bench/RESULTS.md, the code predictor runs): a small-row GEMM packs the whole
+weight matrix each call, a GEMV streams it once. So by default a batch of one
+on CPU runs unpadded: its matrix products are GEMVs, whose rows can differ
+in the last bits from the same row inside a tiled batch, enough to flip a
+sampled code where a draw falls within rounding of a CDF boundary (or a
+greedy near-tie). Batches of two or more are padded to the tile as before, so
+a request's codes are the same in every batch of two or more; greedy codes
+still equal transformers' (the parity suite). With ``batch_invariant`` a batch
+of one is padded too and a request's codes are the same alone and in any
+batch (bitwise, CPU float32). Off CPU nothing changes (buckets of 8, CUDA
+graphs).
+
 Invariants:
-- Batch invariance (CPU float32, bitwise): a row's codes never depend on the
+- Batch invariance (CPU float32, bitwise; with ``batch_invariant``, else for
+  batches of two or more): a row's codes never depend on the
   batch's other rows or size. Every matrix product runs with a row count that
   is a multiple of the host's row tile, measured once per process by
   :func:`row_tile` (MKL computes a row of a full kernel tile with the same
@@ -50,6 +69,7 @@ Invariants:
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -59,9 +79,12 @@ from torch import nn
 
 from .code_sampling import SamplingBatch, draw, group_keys, plan, uniforms
 
-__all__ = ["CodePredictor", "row_tile"]
+__all__ = ["CodePredictor", "row_tile", "BATCH_INVARIANT_ENV"]
 
 log = logging.getLogger(__name__)
+
+# "1": CodePredictor's batch_invariant when the caller does not give it (module docstring).
+BATCH_INVARIANT_ENV = "OMNI_CODE_PREDICTOR_BATCH_INVARIANT"
 
 # -- batch invariance: the row tile ------------------------------------------------
 
@@ -174,11 +197,17 @@ class CodePredictor(nn.Module):
     it; it sizes the KV cache buffer); compile: ``torch.compile`` the frame
     function on CPU (off by default: compile time lands on the first call of
     each bucket); cuda_graphs: capture each bucket's frame as a CUDA graph on
-    CUDA devices."""
+    CUDA devices; batch_invariant: pad a batch of one on CPU too, so that a
+    request's codes are bitwise the same alone and in any batch (slower at
+    batch 1; None: ``OMNI_CODE_PREDICTOR_BATCH_INVARIANT=1`` in the
+    environment, else off)."""
 
     def __init__(self, config: Mapping, *, max_bucket: int = 64, compile: bool = False,
-                 cuda_graphs: bool = True) -> None:
+                 cuda_graphs: bool = True, batch_invariant: bool | None = None) -> None:
         super().__init__()
+        if batch_invariant is None:
+            batch_invariant = os.environ.get(BATCH_INVARIANT_ENV, "") == "1"
+        self.batch_invariant = bool(batch_invariant)
         hidden = int(config["hidden_size"])
         heads = int(config["num_attention_heads"])
         kv = int(config.get("num_key_value_heads") or heads)
@@ -285,7 +314,11 @@ class CodePredictor(nn.Module):
         return tile if self.max_bucket % tile == 0 else self.max_bucket
 
     def bucket(self, n: int) -> int:
-        """The padded row count for a batch of n (n <= max_bucket)."""
+        """The padded row count for a batch of n (n <= max_bucket): 1 for a
+        batch of one on CPU without ``batch_invariant`` (a GEMV, module
+        docstring), else a multiple of the row tile."""
+        if n <= 1 and not self.batch_invariant and self.codec_embedding.device.type == "cpu":
+            return 1
         tile = self.row_tile()
         return min(self.max_bucket, -(-max(n, 1) // tile) * tile)
 

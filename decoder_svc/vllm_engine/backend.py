@@ -146,8 +146,9 @@ class VLLMBackend:
         capture_hidden: put ``hidden_states`` [T, H] float32 in each
           StepOutput (default: True for the thinker, False for the talker,
           whose code predictor still reads the last hidden row in the step).
-        async_scheduling: build the engine with vLLM async scheduling (the CPU
-          platform turns it off by default; make_engine turns it back on).
+        async_scheduling: ask for vLLM async scheduling where the executor
+          overlaps steps (``.engine_factory.engine_config``: off on vLLM's CPU
+          platform unless ``OMNI_CPU_ASYNC_SCHEDULING=1``).
         stop_token_ids: extra stop tokens for every request (e.g. a codec
           end-of-speech id); the model's EOS always stops a request.
         pooling_engine: "lazy" (build the embedding engine on the first
@@ -341,8 +342,9 @@ class VLLMBackend:
         Keys: async_scheduling (effective in the vLLM config),
         speculative_decoding (configured), enable_prefix_caching,
         routed_experts, postprocess ("eager": the talker's code predictor runs
-        inside the step; "none": thinker), async_output_eligible (async
-        scheduling on, no speculative decoding, no routed experts), plus
+        inside the step; "none": thinker), async_output_eligible (no
+        speculative decoding, no routed experts; async scheduling is not
+        needed: decoder_svc/guards.py), plus
         informational keys. Profile-level conditions (async_chunk, the stage's
         opt-in, a materializer) are not engine facts.
         """

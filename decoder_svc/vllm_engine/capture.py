@@ -132,7 +132,8 @@ def outputs_are_fresh(vllm_config: Any) -> bool:
     ``backend.step()`` that returns step N's rows, the forward pass of step
     N + 1 CAN run. With async scheduling the engine core steps through
     ``EngineCore.step_with_batch_queue`` (``batch_queue_size =
-    max_concurrent_batches`` = 2, set by make_engine on CPU too): one
+    max_concurrent_batches`` = 2; on CUDA, or on CPU with
+    ``OMNI_CPU_ASYNC_SCHEDULING=1``, see ``.engine_factory``): one
     ``engine.step()`` schedules step N + 1, runs ``execute_model`` and
     ``sample_tokens`` for it (the in-process ``UniProcExecutor`` runs them in
     the caller's thread; the hook fires for N + 1), and only then pops step

@@ -20,10 +20,19 @@ Private vLLM internals used (re-check on any vLLM upgrade)
 - The V2 model runner (``VLLM_USE_V2_MODEL_RUNNER=1``) is a different class and
   is NOT supported; ``make_engine`` sets ``VLLM_USE_V2_MODEL_RUNNER=0``.
 - On CPU, ``CpuPlatform.check_and_update_config`` forces
-  ``scheduler_config.async_scheduling = False``; ``make_engine(...,
-  async_scheduling=True)`` re-enables it on the built config. In-process the
-  executor still runs each step in the caller's thread: outputs arrive one
-  ``step()`` later, with no compute overlap.
+  ``scheduler_config.async_scheduling = False``, and :func:`engine_config`
+  keeps it off: there the in-process executor runs each step in the caller's
+  thread, so async scheduling would hand a step's output out one ``step()``
+  later with no compute overlap (a whole step of latency).
+  ``OMNI_CPU_ASYNC_SCHEDULING=1`` (:data:`FORCE_ASYNC_ENV`) turns it back on
+  for a stage that asks for it (the behaviour before; for A/B runs).
+
+Async scheduling follows the platform: a stage that asks for it
+(``async_scheduling=True``, the profiles' default) leaves the choice to vLLM
+(``EngineArgs.async_scheduling=None``: on where the executor overlaps a step
+with the next one's scheduling, e.g. CUDA; off on vLLM's CPU platform and
+wherever vLLM finds it incompatible); one that does not gets it off
+(``False``, also on CUDA). The engine's facts report the effective value.
 
 Heavy imports (torch, vllm) are lazy: importing this module is cheap.
 """
@@ -51,10 +60,17 @@ __all__ = [
     "runs_in_process",
     "runner_class_name",
     "engine_facts",
+    "engine_config",
+    "FORCE_ASYNC_ENV",
     "PINNED_VLLM_VERSION",
 ]
 
 PINNED_VLLM_VERSION = "0.32.0"
+
+# Set to 1: a stage that asks for async scheduling gets it even where vLLM's
+# platform turned it off (its CPU platform). Off by default: on CPU it costs a
+# step of latency (module docstring).
+FORCE_ASYNC_ENV = "OMNI_CPU_ASYNC_SCHEDULING"
 
 log = logging.getLogger(__name__)
 
@@ -143,9 +159,9 @@ def engine_facts(engine: LLMEngine, *, postprocess: str, capture_hidden: bool) -
         "runner": runner_class_name(engine),
         "vllm_version": vllm.__version__,
     }
-    facts["async_output_eligible"] = (
-        facts["async_scheduling"] and not facts["speculative_decoding"] and not routed
-    )
+    # The materializer handoff happens after step() returns: it needs no
+    # async scheduling (decoder_svc/guards.py).
+    facts["async_output_eligible"] = not facts["speculative_decoding"] and not routed
     return facts
 
 
@@ -342,6 +358,36 @@ def _ensure_expert_group() -> None:
     )
 
 
+def engine_config(engine_kwargs: dict[str, Any], *, async_scheduling: bool) -> Any:
+    """The ``VllmConfig`` for ``EngineArgs(**engine_kwargs)``, with async
+    scheduling as the platform allows (module docstring): asked for
+    (``async_scheduling=True``), vLLM decides (``None``: on where its
+    executor overlaps steps, off on its CPU platform); not asked for, off.
+    ``OMNI_CPU_ASYNC_SCHEDULING=1`` turns an asked-for setting back on where
+    vLLM turned it off. Sets make_engine's environment defaults and
+    registers the checkpoint's architectures first (``engine_kwargs["model"]``)."""
+    from omni_common import torchvision_compat
+
+    _set_env_defaults()
+    torchvision_compat.install()  # before vLLM imports transformers' image code
+    from vllm import EngineArgs
+
+    _register_cpu_kernel_overrides_once()
+    _inspect_in_process(Path(engine_kwargs["model"]))
+
+    if "async_scheduling" in engine_kwargs:
+        raise ValueError("async_scheduling: pass it as make_engine's argument, not as an engine argument")
+    args = EngineArgs(**engine_kwargs, async_scheduling=None if async_scheduling else False)
+    vllm_config = args.create_engine_config()
+    sched = vllm_config.scheduler_config
+    if async_scheduling and not sched.async_scheduling and os.environ.get(FORCE_ASYNC_ENV) == "1":
+        log.warning("%s=1: async scheduling back on although vLLM turned it off here (on CPU the "
+                    "in-process executor does not overlap steps: a step of latency)", FORCE_ASYNC_ENV)
+        sched.async_scheduling = True
+    log.info("async scheduling %s (asked for: %s)", "on" if sched.async_scheduling else "off", async_scheduling)
+    return vllm_config
+
+
 def make_engine(
     model_dir: str | Path,
     *,
@@ -369,8 +415,9 @@ def make_engine(
       eager tensors.
     - dtype="float32": vLLM's "auto" loads the float32 checkpoint as bfloat16
       on CPU; float32 keeps lm_head checks exact.
-    - async_scheduling=True: the CPU platform forces it off; we turn it back
-      on in the built VllmConfig (batch queue of 2, AsyncGPUModelRunnerOutput).
+    - async_scheduling=True asks for vLLM async scheduling where the platform
+      keeps it (:func:`engine_config`: off on vLLM's CPU platform unless
+      ``OMNI_CPU_ASYNC_SCHEDULING=1``); False turns it off everywhere.
     - runner="pooling" builds an embedding engine (no sampling: the step hook
       does not fire there).
 
@@ -386,15 +433,8 @@ def make_engine(
     (``<id>-<8 chars>``), which is what StepCapture.req_ids contains.
     """
     _set_env_defaults()
-    from vllm import EngineArgs, LLMEngine
+    from vllm import LLMEngine
     from vllm.v1.executor.abstract import Executor
-
-    from omni_common import torchvision_compat
-
-    torchvision_compat.install()  # before vLLM imports transformers' image code
-
-    _register_cpu_kernel_overrides_once()
-    _inspect_in_process(Path(model_dir))
 
     kwargs: dict[str, Any] = dict(
         model=str(model_dir),
@@ -416,11 +456,7 @@ def make_engine(
     if speculative_config is not None:
         kwargs["speculative_config"] = speculative_config
     kwargs.update(engine_kwargs)
-    engine_args = EngineArgs(**kwargs)
-    vllm_config = engine_args.create_engine_config()
-    if async_scheduling and not vllm_config.scheduler_config.async_scheduling:
-        log.warning("vllm CPU platform disabled async_scheduling; re-enabling it on the config")
-        vllm_config.scheduler_config.async_scheduling = True
+    vllm_config = engine_config(kwargs, async_scheduling=async_scheduling)
     world_size = int(vllm_config.parallel_config.world_size)
     restore = _prepare_worker_processes(world_size) if world_size > 1 else {}
     if world_size == 1 and vllm_config.model_config.is_moe:
