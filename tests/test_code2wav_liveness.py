@@ -85,7 +85,7 @@ def test_the_pools_progress_bookkeeping_judges_a_worker_by_its_loop():
     forwarded = Forwarded()
     pool, w, _ = bookkept_pool(forwarded)
     watchdog = Watchdog(StallLimits(floor_s=2.0, grace_s=10.0), clock=clock)
-    parts = watch_stages(SimpleNamespace(runners={}, code2wav=pool), watchdog)
+    parts = watch_stages(SimpleNamespace(runners={}, link=None, code2wav=pool), watchdog)
     assert [p.name for p in parts] == ["code2wav:0"], f"watched parts: {[p.name for p in parts]}"
     progress = pool.progress[0]
 
