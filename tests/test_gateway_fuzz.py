@@ -31,7 +31,7 @@ Also: 1,000 random and mutated JSON bodies to the HTTP facade (never a
 
 Counts: 10,000 gateway requests (in batches of 1,000) and 10,000 snapshots
 (about 150 s and 40 s on two busy cores). With CI=true the gateway requests
-stop early if the next batch would take them past 90 s, and the materializer
+stop early if the next batch would take them past 45 s (at least 1,000 calls), and the materializer
 gets 3,000 snapshots;
 ``OMNI_SOAK_FULL=1`` runs the full count there too (``test_fuzz_gateway_requests_soak``,
 marked ``soak``). OMNI_FUZZ_EXAMPLES=N sets every
@@ -87,7 +87,7 @@ FULL_REQUESTS = 10_000
 FULL_SNAPSHOTS = 10_000
 HTTP_REQUESTS = 1_000
 BATCH = 1_000
-CI_BUDGET_S = 90.0
+CI_BUDGET_S = 45.0
 """Under CI=true the gateway requests stop before a batch would take the run past this."""
 CI_SNAPSHOTS = 3_000
 """Under CI=true (without OMNI_SOAK_FULL=1) the materializer gets this many snapshots."""
