@@ -67,6 +67,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arena-slot-bytes", type=int, default=int(os.environ.get("OMNI_ARENA_SLOT_BYTES", str(4 * 2**20))),
                    help="bytes per slot (one step's routed tensors)")
     p.add_argument("--inline-transport", action="store_true", help="send tensors as bytes instead of shm handles")
+    p.add_argument("--materializer-stall-timeout-s", type=float,
+                   default=_env_float("OMNI_MATERIALIZER_STALL_TIMEOUT_S", 3.0),
+                   help="the materializer is dropped (payloads built in-process, reconnecting in the "
+                        "background) when it leaves steps unanswered this long or falls this far behind "
+                        "(default 3)")
     p.add_argument("--in-process-builder", action="store_true",
                    help="without --materializer: build payloads on a background thread (the in-process baseline)")
     p.add_argument("--max-num-seqs", type=int, default=64, help="max requests per decode step")
@@ -139,6 +144,14 @@ def stall_limits(args: argparse.Namespace) -> StallLimits:
         raise InvalidArgumentError(f"--{exc.field.replace('_', '-')}", str(exc).split(": ", 1)[-1]) from exc
 
 
+def materializer_stall_timeout(args: argparse.Namespace) -> float:
+    """--materializer-stall-timeout-s (InvalidArgumentError naming the option)."""
+    value = args.materializer_stall_timeout_s
+    if not value > 0:
+        raise InvalidArgumentError("--materializer-stall-timeout-s", f"must be > 0 seconds, got {value}")
+    return value
+
+
 def stage_processes_on(args: argparse.Namespace) -> bool:
     mode = getattr(args, "stage_processes", "off")
     return mode == "on" or (mode == "auto" and args.engine == "vllm")
@@ -159,6 +172,7 @@ def _launch_stage_processes(args: argparse.Namespace, profile, model: str) -> di
         materializer_target=args.materializer or "",
         inline_transport=args.inline_transport,
         in_process_builder=args.in_process_builder,
+        stall_timeout_s=args.materializer_stall_timeout_s,
         log_level=args.log_level,
     )
     try:
@@ -201,6 +215,7 @@ def main(argv: list[str] | None = None) -> None:
     setup_logging(args.log_level, service="decoder")
     try:
         limits = stall_limits(args)
+        materializer_stall_timeout(args)
     except InvalidArgumentError as exc:
         raise SystemExit(f"decoder: {exc}") from exc
     profile = load_profile(args.profile)
@@ -223,6 +238,7 @@ def main(argv: list[str] | None = None) -> None:
                 arena=arena,
                 inline_transport=args.inline_transport,
                 in_process_builder=args.in_process_builder,
+                stall_timeout_s=args.materializer_stall_timeout_s,
                 code2wav_workers=args.code2wav_workers,
             )
         except InvalidArgumentError as exc:

@@ -40,7 +40,11 @@ SETUP = ROOT / "docker" / "test-engine.sh"
 WHEELS = ROOT / "docker" / "wheels"
 IMAGE = "omni-serving:engine-test"
 SERVICES = ("materializer", "decoder", "gateway")
-RECOVERY_S = 60.0  # SIGKILL of a service's main process -> a Speak served again
+RECOVERY_S = 120.0
+"""SIGKILL of a service's main process -> a Speak served again. A bound that
+catches a restart that never comes, not a speed target (the measured times are
+printed): a decoder's restart, imports included, took over 60 s on two cores
+busy with other work."""
 HEALTHY_S = 180.0
 _TTFP = re.compile(r"TTFP ([0-9.]+) ms")
 

@@ -457,6 +457,7 @@ def test_mid_stream_failure_raises_in_the_sdk(sock_dir: Path) -> None:
 
 @pytest.mark.vllm
 @pytest.mark.e2e
+@pytest.mark.timeout(900)  # a vLLM omni stack started, used and stopped: 290 s on busy cores
 def test_vllm_tiny_omni_chat_stream_equals_grpc_generate(tmp_path_factory) -> None:
     pytest.importorskip("vllm")
     from decoder_svc.qwen3_omni.tiny import create_tiny_checkpoint

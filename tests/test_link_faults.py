@@ -150,7 +150,7 @@ def materializer(tmp: Path, deployment: str) -> Service:
     )
 
 
-def decoder(tmp: Path, deployment: str, materializer_target: str) -> Decoder:
+def decoder(tmp: Path, deployment: str, materializer_target: str, *extra: str) -> Decoder:
     target = f"unix://{tmp}/d.sock"
     port = free_port()
     return Decoder(
@@ -172,6 +172,7 @@ def decoder(tmp: Path, deployment: str, materializer_target: str) -> Decoder:
             str(port),
             "--log-level",
             "INFO",
+            *extra,
         ],
         target,
         tmp / "decoder.log",

@@ -31,7 +31,7 @@ import pytest
 from decoder_svc.backend import RequestSpec
 from decoder_svc.pipeline import Pipeline
 from decoder_svc.profile import load_profile
-from decoder_svc.server import add_arguments, stall_limits
+from decoder_svc.server import add_arguments, materializer_stall_timeout, stall_limits
 from decoder_svc.servicer import DecoderServicer
 from decoder_svc.stage.liveness import watch_stages
 from decoder_svc.testing.fake_engine import FakeBackend, fake_vocoder
@@ -230,6 +230,12 @@ def test_the_stall_options_are_validated_naming_the_option():
     with pytest.raises(InvalidArgumentError) as err:
         stall_limits(_options("--stall-after-s", "30", "--liveness-grace-s", "5"))
     assert err.value.field == "--liveness-grace-s", f"field: {err.value.field}"
+    # the materializer link's own stall timeout (the link watchdog's; not the decode loops')
+    assert materializer_stall_timeout(_options()) == 3.0
+    assert materializer_stall_timeout(_options("--materializer-stall-timeout-s", "15")) == 15.0
+    with pytest.raises(InvalidArgumentError) as err:
+        materializer_stall_timeout(_options("--materializer-stall-timeout-s", "0"))
+    assert err.value.field == "--materializer-stall-timeout-s", f"field: {err.value.field}"
 
 
 # -- the decoder as a process: gRPC health and statuses -------------------------------------
