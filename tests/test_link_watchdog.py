@@ -227,6 +227,40 @@ def test_step_without_a_slot_during_a_handover_goes_to_the_replacement_inline():
     )
 
 
+def test_step_without_a_slot_while_the_replacement_catches_up_goes_to_it_inline():
+    """The replacement answered the handover's backlog, but not yet the steps
+    sent to it meanwhile: they hold the slots, so a step without one still
+    goes to it inline. Once those are answered, a step without a slot is the
+    materializer's fault again and is built in-process."""
+    st = state()
+    disp, delivery = dispatcher(st)
+    new = stream()
+    st.stream = new
+    new.backlog = 2
+    for step_id in (1, 2, 3, 4):  # 1 and 2 waited for it; 3 and 4 came meanwhile
+        sent_on(st, new, step_id)
+    for _ in range(2):
+        new.answered()
+        st.pending.popleft()
+    assert new.catch_up == 4 and new.backlog_done_s > 0, (new.catch_up, new.backlog_done_s)
+    disp._dispatch(meta(5, tensors=True), "no_slot")
+    sent = [new.outbox.get_nowait() for _ in range(new.outbox.qsize())]
+    assert [r.snapshot.step_id for r in sent] == [5], sent
+    assert "inline_data" in str(sent[0]), f"not inline: {sent[0]}"
+    assert new.backlog == 3 and delivery.fallback_steps == 0, (
+        new.backlog, dict(delivery.fallback_by_reason)
+    )
+    for _ in range(3):  # 3, 4 and 5 answered: caught up
+        new.answered()
+        st.pending.popleft()
+    sent_on(st, new, 6)  # a step of its own holds the slots now
+    disp._dispatch(meta(7, tensors=True), "no_slot")
+    assert new.outbox.qsize() == 0, "a no-slot step was sent to a caught-up materializer"
+    assert [(e.meta.step_id, e.local) for e in st.pending] == [(6, None), (7, "no_slot")], [
+        (e.meta.step_id, e.local) for e in st.pending
+    ]
+
+
 def test_step_without_a_slot_outside_a_handover_is_built_in_process():
     st = state()
     disp, _ = dispatcher(st)

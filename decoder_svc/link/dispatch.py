@@ -10,7 +10,9 @@ once the steps before it were delivered; so is a step that cannot be encoded.
 The exception is a handover: steps waiting for the replacement hold slots,
 so a step that found none then is not the materializer's fault; it waits
 and goes to the replacement with its (detached) tensors inline, as do the
-steps that find no slot while the replacement answers that backlog.
+steps that find no slot while the replacement answers that backlog, and
+then the steps sent to it meanwhile (``Stream.catch_up``): a cold
+replacement catching up holds the slots, not one that cannot keep up.
 
 On a stream of inline transport the tensors are copied out of the slot into
 the message (``SnapshotMeta.to_proto``); the slot stays held until the step
@@ -47,6 +49,7 @@ class Dispatcher:
         self.failover = failover
         self.handling = False  # an item taken from the inbox is being handled
         self.progress = Progress(f"link:{state.name}", self.has_work)
+        self._no_slot_logged_s = float("-inf")
 
     def has_work(self) -> bool:
         """Steps wait for the loop: one is being handled, or the inbox holds some."""
@@ -158,12 +161,15 @@ class Dispatcher:
         there is a stream)."""
         st = self.state
         entry = Entry(meta, local)
-        if local == "no_slot" and self._handover_holds_slots():
-            # The slots are held by steps that wait for (or were just handed
-            # to) a replacement, not by a materializer that cannot keep up:
-            # the step goes to the replacement too, its detached tensors
-            # inline, instead of being built in-process.
-            entry.local, entry.handover = None, True
+        if local == "no_slot":
+            if self._handover_holds_slots():
+                # The slots are held by steps that wait for (or were just
+                # handed to) a replacement, not by a materializer that cannot
+                # keep up: the step goes to the replacement too, its detached
+                # tensors inline, instead of being built in-process.
+                entry.local, entry.handover = None, True
+            else:
+                self._log_no_slot(meta)
         while True:
             if entry.local is None and self._send(entry):  # the usual case
                 return
@@ -191,15 +197,39 @@ class Dispatcher:
 
     def _handover_holds_slots(self) -> bool:
         """A handover is under way, or the current stream has not yet answered
-        the steps that waited for it; and that backlog is under max_pending
-        (past it, a step without a slot is built in-process, as usual, and
-        counts against the stream)."""
+        the steps that waited for it and those sent to it while it answered
+        them; and that backlog is under max_pending (past it, a step without
+        a slot is built in-process, as usual, and counts against the stream)."""
         st = self.state
         with st.lock:
             stream = st.stream
             if stream is None:
                 return st.handover is not None and len(st.unsent) < st.max_pending
-            return stream.answers < stream.backlog < st.max_pending
+            owed = max(stream.backlog, stream.catch_up)
+            return stream.answers < owed and stream.backlog < st.max_pending
+
+    def _log_no_slot(self, meta: SnapshotMeta) -> None:
+        """Say why a step is built in-process for want of a slot (at most
+        once every 10 s: under overload it is every step; the counter has them)."""
+        now = time.monotonic()
+        if now - self._no_slot_logged_s < 10.0:
+            return
+        self._no_slot_logged_s = now
+        st = self.state
+        with st.lock:
+            stream = st.stream
+            where = (
+                "no stream"
+                if stream is None
+                else f"stream answered {stream.answers}, {len(stream.sent)} unanswered, "
+                f"backlog {stream.backlog}, catch-up to {stream.catch_up}"
+            )
+        logger.info(
+            "materializer %s: step %d found no free slot in time; built in-process (%s)",
+            st.target or "-",
+            meta.step_id,
+            where,
+        )
 
     def _drain_on_close(self) -> None:
         st = self.state

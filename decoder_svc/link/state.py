@@ -85,6 +85,10 @@ class Stream:
     # not counted against max_pending.
     backlog: int = 0
     backlog_done_s: float = 0.0  # when its answers reached the backlog (0.0: not yet, or none)
+    # The answers it owes once the backlog is answered: the steps sent to it
+    # meanwhile. A cold replacement still holds their slots; until they are
+    # answered a step without a slot is not the materializer's fault either.
+    catch_up: int = 0
     draining: bool = False  # the materializer sent StreamDraining; half-closed
     abandoned: bool = False  # its unanswered steps were taken over (in-process)
     cancel_reason: str | None = None
@@ -109,6 +113,7 @@ class Stream:
         self.progress_s = time.monotonic()
         if self.answers == self.backlog:
             self.backlog_done_s = self.progress_s
+            self.catch_up = self.answers + len(self.sent) - 1
         return self.sent.popleft()
 
 
