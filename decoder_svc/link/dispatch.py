@@ -221,10 +221,14 @@ class Dispatcher:
             where = (
                 "no stream"
                 if stream is None
-                else f"stream answered {stream.answers}, {len(stream.sent)} unanswered, "
-                f"backlog {stream.backlog}, catch-up to {stream.catch_up}"
+                else f"stream open {now - stream.opened_s:.1f}s, answered {stream.answers}, "
+                f"{len(stream.sent)} unanswered, backlog {stream.backlog}, catch-up to {stream.catch_up}"
             )
-        logger.info(
+            if st.handover is not None:
+                where += ", handover under way"
+            if st.old:
+                where += f", {len(st.old)} draining"
+        logger.warning(
             "materializer %s: step %d found no free slot in time; built in-process (%s)",
             st.target or "-",
             meta.step_id,
