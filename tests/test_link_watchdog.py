@@ -261,6 +261,34 @@ def test_step_without_a_slot_while_the_replacement_catches_up_goes_to_it_inline(
     ]
 
 
+def test_step_without_a_slot_while_the_drained_stream_answers_goes_to_the_replacement():
+    """The replacement attached with no backlog, but the drained materializer
+    still holds slots for the steps it was sent: a step without a slot goes
+    to the replacement inline; once the drained stream is done, it is built
+    in-process as usual."""
+    st = state()
+    disp, delivery = dispatcher(st)
+    old, new = stream(), stream()
+    old.draining = True
+    st.old.append(old)
+    st.stream = new
+    sent_on(st, old, 1)
+    disp._dispatch(meta(2, tensors=True), "no_slot")
+    sent = [new.outbox.get_nowait() for _ in range(new.outbox.qsize())]
+    assert [r.snapshot.step_id for r in sent] == [2] and delivery.fallback_steps == 0, (
+        sent, dict(delivery.fallback_by_reason)
+    )
+    assert new.backlog == 1, new.backlog
+    old.answered()  # the drained stream is done; the replacement answers step 2
+    new.answered()
+    st.old.clear()
+    st.pending.clear()
+    sent_on(st, new, 3)
+    disp._dispatch(meta(4, tensors=True), "no_slot")
+    assert new.outbox.qsize() == 0, "a no-slot step was sent to a materializer that lags"
+    assert [(e.meta.step_id, e.local) for e in st.pending] == [(3, None), (4, "no_slot")]
+
+
 def test_step_without_a_slot_outside_a_handover_is_built_in_process():
     st = state()
     disp, _ = dispatcher(st)

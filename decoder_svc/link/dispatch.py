@@ -10,9 +10,11 @@ once the steps before it were delivered; so is a step that cannot be encoded.
 The exception is a handover: steps waiting for the replacement hold slots,
 so a step that found none then is not the materializer's fault; it waits
 and goes to the replacement with its (detached) tensors inline, as do the
-steps that find no slot while the replacement answers that backlog, and
-then the steps sent to it meanwhile (``Stream.catch_up``): a cold
-replacement catching up holds the slots, not one that cannot keep up.
+steps that find no slot while the drained materializer still answers what
+it was sent, or while the replacement answers that backlog and then the
+steps sent to it meanwhile (``Stream.catch_up``): the old materializer's
+last steps and a cold replacement catching up hold the slots, not one that
+cannot keep up.
 
 On a stream of inline transport the tensors are copied out of the slot into
 the message (``SnapshotMeta.to_proto``); the slot stays held until the step
@@ -196,17 +198,20 @@ class Dispatcher:
                     return
 
     def _handover_holds_slots(self) -> bool:
-        """A handover is under way, or the current stream has not yet answered
-        the steps that waited for it and those sent to it while it answered
-        them; and that backlog is under max_pending (past it, a step without
-        a slot is built in-process, as usual, and counts against the stream)."""
+        """A handover is under way, a drained stream still answers the steps
+        it was sent (its slots are held until it does), or the current stream
+        has not yet answered the steps that waited for it and those sent to it
+        while it answered them; and that backlog is under max_pending (past
+        it, a step without a slot is built in-process, as usual, and counts
+        against the stream)."""
         st = self.state
         with st.lock:
             stream = st.stream
             if stream is None:
                 return st.handover is not None and len(st.unsent) < st.max_pending
+            draining = any(s.sent and not s.abandoned for s in st.old)
             owed = max(stream.backlog, stream.catch_up)
-            return stream.answers < owed and stream.backlog < st.max_pending
+            return (draining or stream.answers < owed) and stream.backlog < st.max_pending
 
     def _log_no_slot(self, meta: SnapshotMeta) -> None:
         """Say why a step is built in-process for want of a slot (at most
