@@ -289,6 +289,19 @@ def test_step_without_a_slot_while_the_drained_stream_answers_goes_to_the_replac
     assert [(e.meta.step_id, e.local) for e in st.pending] == [(3, None), (4, "no_slot")]
 
 
+def test_step_without_a_slot_when_the_handover_backlog_is_full_is_built_in_process_as_handover_full():
+    st = state()
+    disp, _ = dispatcher(st)
+    new = stream()
+    st.stream = new
+    new.backlog = MAX_PENDING  # the replacement owes a whole max_pending of handover steps
+    for step_id in range(1, MAX_PENDING + 1):
+        sent_on(st, new, step_id)
+    disp._dispatch(meta(MAX_PENDING + 1, tensors=True), "no_slot")
+    assert new.outbox.qsize() == 0, "sent past max_pending"
+    assert st.pending[-1].local == "handover_full", [(e.meta.step_id, e.local) for e in st.pending]
+
+
 def test_step_without_a_slot_outside_a_handover_is_built_in_process():
     st = state()
     disp, _ = dispatcher(st)

@@ -164,14 +164,18 @@ class Dispatcher:
         st = self.state
         entry = Entry(meta, local)
         if local == "no_slot":
-            if self._handover_holds_slots():
+            held = self._handover_holds_slots()
+            if held == "inline":
                 # The slots are held by steps that wait for (or were just
                 # handed to) a replacement, not by a materializer that cannot
                 # keep up: the step goes to the replacement too, its detached
                 # tensors inline, instead of being built in-process.
                 entry.local, entry.handover = None, True
             else:
-                self._log_no_slot(meta)
+                # "full": a handover holds the slots but its backlog reached
+                # max_pending; counted apart from a materializer that lags
+                entry.local = local = "handover_full" if held == "full" else local
+                self._log_no_slot(meta, local)
         while True:
             if entry.local is None and self._send(entry):  # the usual case
                 return
@@ -197,23 +201,27 @@ class Dispatcher:
                     self.delivery.build_local(meta, reason)
                     return
 
-    def _handover_holds_slots(self) -> bool:
-        """A handover is under way, a drained stream still answers the steps
-        it was sent (its slots are held until it does), or the current stream
-        has not yet answered the steps that waited for it and those sent to it
-        while it answered them; and that backlog is under max_pending (past
-        it, a step without a slot is built in-process, as usual, and counts
-        against the stream)."""
+    def _handover_holds_slots(self) -> str | None:
+        """Whether a handover holds the slots: one is under way, a drained
+        stream still answers the steps it was sent (its slots are held until
+        it does), or the current stream has not yet answered the steps that
+        waited for it and those sent to it while it answered them. "inline":
+        yes, and that backlog is under max_pending; "full": yes, but the
+        backlog reached max_pending (the step is built in-process); None: no
+        handover holds them (a materializer that lags: ``no_slot``)."""
         st = self.state
         with st.lock:
             stream = st.stream
             if stream is None:
-                return st.handover is not None and len(st.unsent) < st.max_pending
+                if st.handover is None:
+                    return None
+                return "inline" if len(st.unsent) < st.max_pending else "full"
             draining = any(s.sent and not s.abandoned for s in st.old)
-            owed = max(stream.backlog, stream.catch_up)
-            return (draining or stream.answers < owed) and stream.backlog < st.max_pending
+            if not (draining or stream.answers < max(stream.backlog, stream.catch_up)):
+                return None
+            return "inline" if stream.backlog < st.max_pending else "full"
 
-    def _log_no_slot(self, meta: SnapshotMeta) -> None:
+    def _log_no_slot(self, meta: SnapshotMeta, reason: str) -> None:
         """Say why a step is built in-process for want of a slot (at most
         once every 10 s: under overload it is every step; the counter has them)."""
         now = time.monotonic()
@@ -231,12 +239,14 @@ class Dispatcher:
             )
             if st.handover is not None:
                 where += ", handover under way"
-            if st.old:
-                where += f", {len(st.old)} draining"
+            draining = sum(1 for s in st.old if s.sent and not s.abandoned)
+            if draining:
+                where += f", {draining} draining"
         logger.warning(
-            "materializer %s: step %d found no free slot in time; built in-process (%s)",
+            "materializer %s: step %d found no free slot in time; built in-process (%s; %s)",
             st.target or "-",
             meta.step_id,
+            reason,
             where,
         )
 
