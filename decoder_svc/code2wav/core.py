@@ -182,10 +182,12 @@ class Code2WavCore:
         ``next_request`` picks them (at most ``max_batch``; empty: none ready)."""
         if not self.queued:
             return []
-        now, picked = self.clock(), []
+        now, picked = self.clock(), list[str]()
         left = [r for r in self._requests.values() if r.ready]
-        while left and len(picked) < self.max_batch:
+        while len(picked) < self.max_batch:
             r = next_request(left, now)
+            if r is None:
+                break
             picked.append(r.rid)
             left.remove(r)
         return picked
