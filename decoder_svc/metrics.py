@@ -122,6 +122,12 @@ CODE2WAV_FIRST_CHUNK_WAIT = Histogram(
 # and worker="<index>" (decoder_svc.code2wav.pool)
 CODE2WAV_CHUNK_SECONDS = Histogram(
     "omni_decoder_code2wav_chunk_seconds",
-    "Time the vocoder took to decode one code2wav chunk",
+    "Time one vocoder call took: the next chunk of every request batched in it "
+    "(omni_decoder_code2wav_batch_chunks)",
     buckets=(1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
+)
+CODE2WAV_BATCH_CHUNKS = Histogram(
+    "omni_decoder_code2wav_batch_chunks",
+    "Chunks (one per request) decoded together in one vocoder call",
+    buckets=(1, 2, 4, 8, 16, 32, 64),
 )

@@ -70,6 +70,10 @@ class StageConfig:
     codec_chunk_frames: int = 25
     codec_left_context_frames: int = 25
     initial_chunk_ramp: tuple[int, ...] = (5, 10)
+    # The generation stage: at most this many requests' next chunks go
+    # through the vocoder in one call (one forward over their stream states;
+    # a request's PCM then depends on its batch within float rounding).
+    code2wav_max_batch: int = 1
     # The generation stage's first chunk by load: ((requests, frames), ...)
     # by requests ascending. A request whose first codec frames arrive with
     # at least `requests` audio requests in flight (itself included) gets a
@@ -248,7 +252,7 @@ def _stage_from_dict(i: int, raw: dict[str, Any]) -> StageConfig:
         )
     if raw.get("postprocess", "none") not in POSTPROCESS_MODES:
         raise InvalidArgumentError(f"{where}.postprocess", f"must be one of {POSTPROCESS_MODES}")
-    for key in ("tensor_parallel_size", "pipeline_parallel_size"):
+    for key in ("tensor_parallel_size", "pipeline_parallel_size", "code2wav_max_batch"):
         _int_at_least_one(where, raw["name"], raw, key)
     backend = raw.get("distributed_executor_backend")
     if backend is not None and backend not in EXECUTOR_BACKENDS:

@@ -6,6 +6,7 @@ engine's (a test double) unless named otherwise."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import os
 import signal
@@ -101,9 +102,10 @@ def drive(stage, calls) -> None:
         getattr(stage, kind)(rid, voice, value)
 
 
-def thread_reference(calls, vocoder=None) -> tuple[dict, int]:
+def thread_reference(calls, vocoder=None, config=None) -> tuple[dict, int]:
     col = Collector()
-    worker = Code2WavWorker(gen_config(), col.emit, vocoder=vocoder or fake_vocoder(), on_error=col.on_error)
+    worker = Code2WavWorker(config or gen_config(), col.emit, vocoder=vocoder or fake_vocoder(),
+                            on_error=col.on_error)
     worker.start()
     try:
         drive(worker, calls)
@@ -139,9 +141,9 @@ def in_order(calls, vocoder=None) -> dict:
     return out
 
 
-def pool(col: Collector, prefix: str, **kw) -> Code2WavProcessPool:
+def pool(col: Collector, prefix: str, config=None, **kw) -> Code2WavProcessPool:
     kw.setdefault("vocoder", fake_vocoder())
-    return Code2WavProcessPool(gen_config(), col.emit, shm_prefix=prefix, on_error=col.on_error, **kw)
+    return Code2WavProcessPool(config or gen_config(), col.emit, shm_prefix=prefix, on_error=col.on_error, **kw)
 
 
 def ps_has(pid: int) -> bool:
@@ -613,6 +615,86 @@ def test_neural_code2wav_in_a_worker_gives_the_engines_audio_byte_for_byte(prefi
     assert all(col.audio(r).size for r in ("n0", "n1", "n2"))
     assert col.chunks == want
     assert sorted((f.name, f.stat().st_mtime_ns) for f in tiny_checkpoint.iterdir()) == stamp, "checkpoint written"
+
+
+def _batch_calls() -> float:
+    return sum(s.value for m in metrics.CODE2WAV_BATCH_CHUNKS.collect() for s in m.samples
+               if s.name.endswith("_count"))
+
+
+def _batched_in_thread(calls, vocoder, config) -> tuple[dict, float]:
+    """The chunks of `calls` on the decoder's thread, and the vocoder calls
+    made: all queued before the loop starts, so its first turns batch them."""
+    col = Collector()
+    worker = Code2WavWorker(config, col.emit, vocoder=vocoder, on_error=col.on_error)
+    drive(worker, calls)
+    before = _batch_calls()
+    worker.start()
+    try:
+        rids = {c[1] for c in calls}
+        col.wait(lambda: all(col.ended(r) for r in rids), 120, "batched thread")
+    finally:
+        worker.stop()
+    assert not col.errors
+    return col.chunks, _batch_calls() - before
+
+
+def test_neural_code2wav_batched_across_requests_matches_one_at_a_time(prefix, tiny_checkpoint):
+    """code2wav_max_batch 4: the requests' ready chunks go through the
+    checkpoint's Code2Wav together (one forward), on the decoder's thread and
+    in a worker process. Every request gets the same chunks (boundaries, last,
+    reason) as decoded one at a time, its PCM within 1e-4 (the batch changes
+    the kernels' shapes, so the last bits may differ: docs/decoder.md)."""
+    pytest.importorskip("vllm")
+    from decoder_svc.qwen3_omni.checkpoint import OmniCheckpoint
+    from decoder_svc.qwen3_omni.engine import NeuralVocoder
+    from decoder_svc.qwen3_omni.vocoder import worker_spec
+
+    ckpt = OmniCheckpoint.open(tiny_checkpoint)
+    vocoder = NeuralVocoder(str(ckpt.path), ("ethan",), checkpoint=ckpt)
+    rng = np.random.default_rng(8)
+    q, v = vocoder.num_codebooks, vocoder.codebook_size
+    calls = []
+    for i, n in enumerate((9, 33, 16, 40)):
+        codes = rng.integers(0, v, size=(n, q), dtype=np.int64)
+        calls += [("frames", f"b{i}", "ethan", codes[:5]), ("frames", f"b{i}", "ethan", codes[5:])]
+    calls += [("finish", f"b{i}", "ethan", "stop") for i in range(4)]
+    batched = dataclasses.replace(gen_config(), code2wav_max_batch=4)
+    parents = torch.get_num_threads()
+    torch.set_num_threads(1)  # as in the worker process
+    try:
+        want, _ = thread_reference(calls, vocoder)
+        got = _batched_in_thread(calls, vocoder, batched)
+    finally:
+        torch.set_num_threads(parents)
+
+    def check(got: dict, where: str) -> None:
+        assert sorted(got) == sorted(want), where
+        for rid, chunks in want.items():
+            assert [(len(a), last, why) for a, last, why in got[rid]] == [
+                (len(a), last, why) for a, last, why in chunks
+            ], (where, rid)
+            a = np.frombuffer(b"".join(c[0] for c in got[rid]), np.float32)
+            b = np.frombuffer(b"".join(c[0] for c in chunks), np.float32)
+            assert np.abs(a - b).max() <= 1e-4, (where, rid, float(np.abs(a - b).max()))
+
+    chunks, calls_made = got
+    check(chunks, "thread")
+    n = sum(len(c) for c in want.values())
+    assert 0 < calls_made < n, f"{calls_made} vocoder calls for {n} chunks: nothing batched"
+
+    col = Collector()
+    p = pool(col, prefix, config=batched, workers=1, vocoder=vocoder, torch_threads=1,
+             spec=worker_spec(tiny_checkpoint, vocoder.voices))
+    p.start()
+    try:
+        assert p.wait_ready(READY_S)
+        drive(p, calls)
+        col.wait(lambda: all(col.ended(f"b{i}") for i in range(4)), 120, "batched pool")
+    finally:
+        p.stop()
+    assert not col.errors
+    check(col.chunks, "worker process")
 
 
 def _children(pid: int) -> set[int]:

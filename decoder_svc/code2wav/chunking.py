@@ -86,9 +86,10 @@ class ChunkState:
             self.emitted = self.received
         return out
 
-    def decode(self, start: int, end: int) -> np.ndarray:
-        """The new samples that frames [start, end) complete (ranges in order:
-        only frames not yet decoded are kept, so each frame is copied once)."""
+    def take(self, start: int, end: int) -> np.ndarray:
+        """The frames [start, end) to hand to the stream, taken off the pending
+        ones (ranges in order: only frames not yet decoded are kept, so each
+        frame is copied once)."""
         if start != self.decoded:
             raise ValueError(f"chunk [{start}, {end}) is not the next one (decoded up to {self.decoded})")
         block = self._pending[0] if len(self._pending) == 1 else np.concatenate(self._pending)
@@ -96,5 +97,13 @@ class ChunkState:
         self._pending = [block[n:]] if block.shape[0] > n else []
         self.decoded = end
         self.chunk_index += 1
-        audio = self.stream.push(block[:n])
-        return np.asarray(audio, dtype=np.float32).reshape(-1)
+        return block[:n]
+
+    def decode(self, start: int, end: int) -> np.ndarray:
+        """The new samples that frames [start, end) complete (``take``, then the stream)."""
+        return as_audio(self.stream.push(self.take(start, end)))
+
+
+def as_audio(audio) -> np.ndarray:
+    """A vocoder stream's output as the flat float32 samples a chunk carries."""
+    return np.asarray(audio, dtype=np.float32).reshape(-1)

@@ -5,7 +5,11 @@ Shared by the in-thread worker (``.thread``) and the worker processes
 with the same frames and pick the same order: a worker decodes its ready
 chunks not in arrival order but first chunks first, then the request
 closest to running dry (``next_request``); each request's chunks stay in
-order. ``run_chunks`` is the decode loop both run.
+order. A turn of the loop takes the next chunk of up to ``max_batch``
+requests in that order and decodes them in one vocoder call
+(``vocoder.push_many``, when it has one: the checkpoint's Code2Wav runs one
+forward over the stacked stream states). ``run_chunks`` is the decode loop
+both run.
 
 A worker process rebuilds the vocoder from a small picklable spec
 (``vocoder.worker_spec()``: an importable factory path and its keyword
@@ -26,7 +30,7 @@ from typing import Any
 import numpy as np
 
 from decoder_svc import metrics
-from decoder_svc.code2wav.chunking import SAMPLE_RATE_HZ, ChunkState
+from decoder_svc.code2wav.chunking import SAMPLE_RATE_HZ, ChunkState, as_audio
 from decoder_svc.spawned import call_factory
 from omni_common.errors import InvalidArgumentError
 
@@ -94,35 +98,43 @@ def next_request(requests: Iterable[PendingRequest], now: float) -> PendingReque
 
 
 class Code2WavCore:
-    """Per-request chunk states, the chunks ready to decode, and which one
-    goes next.
+    """Per-request chunk states, the chunks ready to decode, and which go next.
 
     Shared by the in-thread worker and the worker processes, so both cut the
     same chunks, call the vocoder with the same frames and pick the same
-    order. ``add`` only cuts chunks (cheap, no vocoder call); ``decode_next``
-    decodes one chunk, chosen by ``next_request``."""
+    order. ``add`` only cuts chunks (cheap, no vocoder call); ``decode_turn``
+    decodes the next ready chunk of up to ``max_batch`` requests, chosen by
+    ``next_request``, in one vocoder call when the vocoder has ``push_many``
+    (one forward over every stream's state; a stream's audio does not depend
+    on which others share it) and emits them in that order."""
 
-    def __init__(self, ramp: Sequence[int], chunk_frames: int, vocoder, *,
+    def __init__(self, ramp: Sequence[int], chunk_frames: int, vocoder, *, max_batch: int = 1,
                  clock: Callable[[], float] = time.monotonic) -> None:
+        if max_batch < 1:
+            raise InvalidArgumentError("code2wav_max_batch", f"must be >= 1, got {max_batch}")
         self.ramp = tuple(int(x) for x in ramp)
         self.chunk_frames = int(chunk_frames)
         self.vocoder = vocoder
+        self.max_batch = int(max_batch)
         self.clock = clock
         self.num_codebooks = int(vocoder.num_codebooks)
         self.codebook_size = int(vocoder.codebook_size)
         self.sample_rate = float(getattr(vocoder, "sample_rate", SAMPLE_RATE_HZ))
+        self._push_many = getattr(vocoder, "push_many", None)
         self._requests: dict[str, PendingRequest] = {}
         self._seq = itertools.count()
-        self.chunks = 0  # chunks decoded
+        self.chunks = 0  # chunks decoded (counted as each is emitted)
         self.queued = 0  # chunks ready and not yet decoded (empty lasts included)
         # of the chunk being emitted: how long it waited when it is its
         # request's first (from the arrival of the frames that completed it
         # to the start of its decode), else None
         self.first_wait: float | None = None
-        # of the chunk being emitted: how long the vocoder took (0 for the
-        # empty last of a request without frames); also observed in
-        # omni_decoder_code2wav_chunk_seconds
+        # how long the vocoder call of this turn took (0: a turn of empty
+        # lasts only); also observed in omni_decoder_code2wav_chunk_seconds
         self.decode_s = 0.0
+        # the chunk being emitted is its turn's first (a worker counts a
+        # turn, not a chunk, as one round of its loop)
+        self.turn_first = False
 
     def has(self, request_id: str) -> bool:
         return request_id in self._requests
@@ -165,39 +177,112 @@ class Code2WavCore:
                 r.ready.append((None, None, True, value, at))
         self.queued += len(chunks) + int(final and not chunks)
 
-    def next(self) -> str | None:
-        """The request whose chunk ``decode_next`` decodes (None: none ready)."""
-        r = next_request(self._requests.values(), self.clock()) if self.queued else None
-        return None if r is None else r.rid
+    def next_batch(self) -> list[str]:
+        """The requests whose next chunk ``decode_turn`` decodes, in the order
+        ``next_request`` picks them (at most ``max_batch``; empty: none ready)."""
+        if not self.queued:
+            return []
+        now, picked = self.clock(), list[str]()
+        left = [r for r in self._requests.values() if r.ready]
+        while len(picked) < self.max_batch:
+            r = next_request(left, now)
+            if r is None:
+                break
+            picked.append(r.rid)
+            left.remove(r)
+        return picked
 
-    def decode_next(self, rid: str, emit: Emit) -> None:
-        """Decode the next ready chunk of `rid` and emit it; its last chunk
-        ends the request here."""
-        r = self._requests[rid]
-        start, end, last, reason, ready_at = r.ready.popleft()
-        self.queued -= 1
-        first = r.first_audio_at is None
-        wait = self.clock() - ready_at if first and start is not None else None
-        if last:
-            self._requests.pop(rid, None)
-        if start is None:
-            audio = np.zeros(0, dtype=np.float32)
-            self.decode_s = 0.0
-        else:
-            t0 = time.perf_counter()
-            audio = r.state.decode(start, end)
-            self.decode_s = time.perf_counter() - t0
+    def decode_turn(self, rids: Sequence[str], emit: Emit, fail: Callable[[str, Exception], None]) -> None:
+        """Decode the next ready chunk of each of `rids` (``next_batch``) and
+        emit them in that order; a request's last chunk ends it here. A chunk
+        that fails fails its request (`fail`), the others go on; a vocoder
+        call that fails as a whole fails every request in it."""
+        now = self.clock()
+        turn: list[_Turn] = []
+        for rid in rids:
+            r = self._requests[rid]
+            start, end, last, reason, ready_at = r.ready.popleft()
+            self.queued -= 1
+            if last:
+                self._requests.pop(rid, None)
+            t = _Turn(r, last, reason, ready_at if r.first_audio_at is None and start is not None else None)
+            if start is not None:
+                try:
+                    t.block = r.state.take(start, end)
+                except Exception as exc:  # noqa: BLE001 -- fail this request, keep serving the others
+                    t.error = exc
+            turn.append(t)
+        rows = [t for t in turn if t.block is not None]
+        t0 = time.perf_counter()
+        if rows:
+            self._decode(rows)
+        self.decode_s = time.perf_counter() - t0 if rows else 0.0
+        if rows:
             metrics.CODE2WAV_CHUNK_SECONDS.observe(self.decode_s)
-            self.chunks += 1
-        self.first_wait = wait
-        try:
-            emit(rid, audio, last, reason)
-        finally:
-            self.first_wait = None
-        r.audio_s += audio.size / self.sample_rate
-        if first:
-            r.first_audio_at = self.clock()
+            metrics.CODE2WAV_BATCH_CHUNKS.observe(len(rows))
+        self.turn_first = True
+        for t in turn:
+            rid = t.request.rid
+            if t.error is not None:
+                self.drop(rid)
+                fail(rid, t.error)
+                continue
+            audio = t.audio if t.audio is not None else np.zeros(0, dtype=np.float32)
+            if t.block is not None:
+                self.chunks += 1
+            self.first_wait = None if t.ready_at is None else now - t.ready_at
+            try:
+                emit(rid, audio, t.last, t.reason)
+            except Exception as exc:  # noqa: BLE001 -- fail this request, keep serving the others
+                self.drop(rid)
+                fail(rid, exc)
+                continue
+            finally:
+                self.first_wait = None
+                self.turn_first = False
+            r = t.request
+            r.audio_s += audio.size / self.sample_rate
+            if r.first_audio_at is None:
+                r.first_audio_at = self.clock()
 
+    def _decode(self, rows: list[_Turn]) -> None:
+        """The vocoder over the rows' blocks: one call when it can push many
+        streams at once, else stream by stream. Sets each row's audio or error."""
+        if self._push_many is None or len(rows) == 1:
+            for t in rows:
+                try:
+                    t.audio = as_audio(t.request.state.stream.push(t.block))
+                except Exception as exc:  # noqa: BLE001 -- this request only
+                    t.error = exc
+            return
+        left = list(rows)
+        while left:
+            try:
+                out = self._push_many([t.request.state.stream for t in left], [t.block for t in left])
+            except Exception as exc:  # noqa: BLE001 -- a bad row, or the whole call
+                index = getattr(exc, "index", None)
+                if isinstance(index, int) and 0 <= index < len(left):
+                    left.pop(index).error = getattr(exc, "cause", exc)  # nothing changed: again without it
+                    continue
+                for t in left:
+                    t.error = exc
+                return
+            for t, audio in zip(left, out, strict=True):
+                t.audio = as_audio(audio)
+            return
+
+
+@dataclass(eq=False)
+class _Turn:
+    """One request's chunk in a decode turn."""
+
+    request: PendingRequest
+    last: bool
+    reason: str
+    ready_at: float | None  # its first chunk: when it became ready (its wait), else None
+    block: np.ndarray | None = None  # its frames (None: an empty last)
+    audio: np.ndarray | None = None
+    error: Exception | None = None
 
 
 def run_chunks(
@@ -210,7 +295,8 @@ def run_chunks(
 ) -> None:
     """The decode loop of a code2wav worker (a process, or the decoder's
     thread): everything that has arrived on `inbox` goes into the core's
-    ready set (`take`), which decides the chunk decoded next; the loop waits
+    ready set (`take`), which decides the chunks decoded next (one turn:
+    up to ``max_batch`` requests' next chunks in one vocoder call); the loop waits
     only when nothing is ready (`idle` first). A None item means stop:
     decode what was sent, then return. A failing chunk fails its request
     (`fail`, called inside the handler) and the others go on."""
@@ -229,13 +315,10 @@ def run_chunks(
                 stopping = True
             else:
                 take(item)
-        rid = core.next()
-        if rid is None:
+        rids = core.next_batch()
+        if not rids:
             if stopping:
                 return
             continue
-        try:
-            core.decode_next(rid, emit)
-        except Exception as exc:  # noqa: BLE001 -- fail this request, keep serving the others
-            fail(rid, exc)
+        core.decode_turn(rids, emit, fail)
 

@@ -224,7 +224,7 @@ class Code2WavProcessPool:
             w.process = self._ctx.Process(
                 target=worker_main,
                 args=(self.spec, tuple(c.initial_chunk_ramp), int(c.codec_chunk_frames), self.shm_prefix,
-                      cmd_child, res_child, self.torch_threads),
+                      cmd_child, res_child, self.torch_threads, int(c.code2wav_max_batch)),
                 name=f"code2wav-{w.index}",
                 daemon=True,
             )

@@ -44,7 +44,8 @@ class Code2WavWorker:
         self.live = live
         self.vocoder = vocoder
         # the chunking shared with the worker processes (same chunks, same bytes)
-        self._core = Code2WavCore(config.initial_chunk_ramp, config.codec_chunk_frames, vocoder)
+        self._core = Code2WavCore(config.initial_chunk_ramp, config.codec_chunk_frames, vocoder,
+                                  max_batch=config.code2wav_max_batch)
         self.num_codebooks = self._core.num_codebooks
         self.codebook_size = self._core.codebook_size
         self._queue: queue.SimpleQueue = queue.SimpleQueue()

@@ -6,11 +6,11 @@ its pipe (``.messages``) until told to stop or until the decoder's end of the
 pipe closes (the decoder exited, however). A receiver thread copies frames
 out of their arena slots as soon as they arrive, so slots come back even
 while the vocoder is busy; the decode loop (``.core.run_chunks``) picks the
-chunk decoded next. A request that fails here is reported (``Error``) and
+chunks decoded next (one vocoder call for up to ``max_batch`` requests). A request that fails here is reported (``Error``) and
 its later items start nothing until the decoder aborts it.
 
-Liveness and metrics: the decode loop counts the chunks it decodes (a
-``Progress``: its recent time per chunk too) and the items it has handled,
+Liveness and metrics: the decode loop counts its vocoder calls (a
+``Progress``: its recent time per call too) and the items it has handled,
 and says whether it waits for items (nothing ready); a reporter thread
 sends them in a ``Status`` when they changed, and about once
 a second a snapshot of this process's metrics (``worker_metrics``: the series
@@ -100,6 +100,7 @@ def worker_main(
     commands,
     results,
     torch_threads: int,
+    max_batch: int = 1,
 ) -> None:
     """A code2wav worker: commands in (batches of messages), results out.
 
@@ -110,7 +111,7 @@ def worker_main(
         torch.set_num_threads(torch_threads)
     send = pipe_sender(results)
     vocoder = build_vocoder(spec)
-    core = Code2WavCore(ramp, chunk_frames, vocoder)
+    core = Code2WavCore(ramp, chunk_frames, vocoder, max_batch=max_batch)
     reader = ArenaReader(arena_prefix)
     # the decode loop's items: (kind, request id, voice, value, arrival, first frames)
     inbox: queue.SimpleQueue = queue.SimpleQueue()
@@ -187,7 +188,8 @@ def worker_main(
         chunk = core.chunks != counted  # False for the empty last of a request without frames
         counted = core.chunks
         reported = core.queued
-        progress.advance(core.decode_s)
+        if core.turn_first:  # one round of the loop: a vocoder call (or empty lasts only)
+            progress.advance(core.decode_s)
         send(Audio(rid, audio, last, reason, chunk, core.queued, core.first_wait))
 
     def fail(rid: str, text: str, trace: str) -> None:

@@ -2,7 +2,8 @@
 
 ``CheckpointVocoder`` puts the Qwen3-Omni Code2Wav (``.code2wav``) behind the
 streaming-vocoder interface of ``decoder_svc.code2wav`` (``new_stream``,
-``voices``, ``sample_rate``, ``num_codebooks``, ``codebook_size``), from the
+``voices``, ``sample_rate``, ``num_codebooks``, ``codebook_size``; and
+``push_many``, one forward for the next chunk of many streams), from the
 checkpoint directory alone (read only). A code2wav worker process rebuilds it
 from ``worker_spec()``: an importable factory path and keyword arguments,
 nothing of torch pickled.
@@ -17,6 +18,7 @@ import numpy as np
 import torch
 
 from .code2wav import SAMPLE_RATE, Code2Wav, Code2WavStream
+from .code2wav_batch import push_many
 
 
 class _NumpyStream:
@@ -53,6 +55,13 @@ class CheckpointVocoder:
 
     def new_stream(self, voice: str) -> _NumpyStream:  # the voice is in the codes already
         return _NumpyStream(self.model.new_stream())
+
+    def push_many(self, streams: Sequence[_NumpyStream], blocks: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """``push`` of each stream's block, in one forward over all of them
+        (``.code2wav_batch.push_many``; a bad block raises ``InvalidRow``
+        naming it before any stream changed)."""
+        codes = [torch.from_numpy(np.ascontiguousarray(b, dtype=np.int64)) for b in blocks]
+        return [a.numpy() for a in push_many([s._stream for s in streams], codes)]
 
     def worker_spec(self) -> tuple[str, dict[str, Any]]:
         return worker_spec(self.model_dir, self.voices)
