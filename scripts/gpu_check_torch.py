@@ -19,6 +19,12 @@ Checks:
   Across buckets (alone vs in a batch of 64) equality is reported, not
   required: cuBLAS may pick another kernel for another row count.
 - ``predictor-timing``: eager vs replay per frame at batch 64 (reported only).
+- ``code2wav-device``: the checkpoint's Code2Wav (random weights under the
+  released names) on the device: its whole decode within 1e-3 of the CPU's
+  (float32 both; cuDNN sums in another order), a chunked stream (5, 10, then
+  25 frames) within 1e-4 of the device's whole decode, and ragged chunks of
+  four streams decoded together (``push_many``) within 1e-4 of each stream
+  decoded alone; eight 25-frame chunks one by one vs together (reported).
 """
 
 from __future__ import annotations
@@ -34,6 +40,8 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
+from decoder_svc.qwen3_omni.code2wav import Code2Wav, random_tensors  # noqa: E402
+from decoder_svc.qwen3_omni.code2wav_batch import push_many  # noqa: E402
 from decoder_svc.qwen3_omni.code_predictor import CodePredictor  # noqa: E402
 from decoder_svc.qwen3_omni.code_sampling import SamplingBatch, group_keys, uniforms  # noqa: E402
 
@@ -44,6 +52,18 @@ RELEASED = {"vocab_size": 2048, "hidden_size": 1024, "intermediate_size": 3072, 
             "num_attention_heads": 16, "num_key_value_heads": 8, "head_dim": 128, "num_code_groups": 16,
             "rope_parameters": {"rope_theta": 1_000_000.0}, "rms_norm_eps": 1e-6}
 WIDTHS = {"tiny": TINY, "released": RELEASED}
+# Code2Wav at each width: the released layout (2*2 then 8*5*4*3: 1920 samples
+# a frame), at toy widths or the released ones.
+CODE2WAV = {
+    "tiny": {"codebook_size": 2048, "num_quantizers": 16, "hidden_size": 128, "num_hidden_layers": 2,
+             "num_attention_heads": 2, "num_key_value_heads": 1, "intermediate_size": 256,
+             "sliding_window": 72, "upsampling_ratios": (2, 2), "upsample_rates": (8, 5, 4, 3),
+             "decoder_dim": 96, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+    "released": {"codebook_size": 2048, "num_quantizers": 16, "hidden_size": 1024, "num_hidden_layers": 8,
+                 "num_attention_heads": 16, "num_key_value_heads": 16, "intermediate_size": 3072,
+                 "sliding_window": 72, "upsampling_ratios": (2, 2), "upsample_rates": (8, 5, 4, 3),
+                 "decoder_dim": 1536, "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}},
+}
 
 
 class CheckFailed(AssertionError):
@@ -171,10 +191,76 @@ def check_timing(cfg: dict, device: torch.device) -> str:
     return "batch 64: " + ", ".join(out)
 
 
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    expect(a.shape == b.shape, f"shapes differ: {tuple(a.shape)} vs {tuple(b.shape)}")
+    return (a.float().cpu() - b.float().cpu()).abs().max().item()
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def check_code2wav(cfg: dict, device: torch.device) -> str:
+    """cfg: the predictor's width; the Code2Wav of the same name in CODE2WAV."""
+    name = "released" if cfg is RELEASED else "tiny"
+    config = CODE2WAV[name]
+    cpu = Code2Wav.from_config_and_tensors(config, random_tensors(config, seed=3))
+    dev = Code2Wav.from_config_and_tensors(config, random_tensors(config, seed=3)).to(device)
+    gen = torch.Generator().manual_seed(4)
+    codes = [torch.randint(0, config["codebook_size"], (n, config["num_quantizers"]), generator=gen)
+             for n in (60, 45, 52, 33)]
+    whole = dev.decode(codes[0].to(device))
+    d = _max_diff(whole, cpu.decode(codes[0]))
+    expect(d <= 1e-3, f"whole decode on {device} vs CPU: max |diff| {d:.2e} > 1e-3")
+    stream, pieces, start = dev.new_stream(), [], 0
+    for size in (5, 10, 25, 20):  # its 60 frames
+        pieces.append(stream.push(codes[0][start : start + size].to(device)))
+        start += size
+    d_stream = _max_diff(torch.cat(pieces), whole)
+    expect(d_stream <= 1e-4, f"chunked stream vs whole decode on {device}: max |diff| {d_stream:.2e} > 1e-4")
+    # ragged chunks of four streams together vs each alone, on the device
+    alone = [dev.decode(c.to(device)) for c in codes]
+    streams, got, done = [dev.new_stream() for _ in codes], [[] for _ in codes], [0] * len(codes)
+    plans = [[5, 10, 25, 25], [1, 4, 10, 25, 25], [7, 25, 25], [25, 25]]
+    while any(done[i] < c.shape[0] for i, c in enumerate(codes)):
+        rows = [i for i, c in enumerate(codes) if done[i] < c.shape[0]]
+        blocks = []
+        for i in rows:
+            n = plans[i].pop(0) if plans[i] else 25
+            blocks.append(codes[i][done[i] : done[i] + n].to(device))
+            done[i] = min(done[i] + n, codes[i].shape[0])
+        for i, piece in zip(rows, push_many([streams[i] for i in rows], blocks), strict=True):
+            got[i].append(piece)
+    worst = max(_max_diff(torch.cat(g), a) for g, a in zip(got, alone, strict=True))
+    expect(worst <= 1e-4, f"streams decoded together vs alone on {device}: max |diff| {worst:.2e} > 1e-4")
+    # eight 25-frame chunks: one call each vs one call for all (reported)
+    chunks = [torch.randint(0, config["codebook_size"], (25, config["num_quantizers"]), generator=gen).to(device)
+              for _ in range(8)]
+    times = []
+    for together in (False, True):
+        best = float("inf")
+        for _ in range(3):
+            streams = [dev.new_stream() for _ in chunks]
+            _sync(device)
+            t0 = time.perf_counter()
+            if together:
+                push_many(streams, chunks)
+            else:
+                for st, c in zip(streams, chunks, strict=True):
+                    st.push(c)
+            _sync(device)
+            best = min(best, time.perf_counter() - t0)
+        times.append(best * 1e3)
+    return (f"vs CPU {d:.1e}, chunked {d_stream:.1e}, together vs alone {worst:.1e}; 8 chunks of 25 frames: "
+            f"one by one {times[0]:.1f} ms, together {times[1]:.1f} ms")
+
+
 CHECKS: dict[str, Callable[[dict, torch.device], str]] = {
     "predictor-graph-replay": check_graph_replay,
     "predictor-seeded-sampler": check_seeded_sampler,
     "predictor-timing": check_timing,
+    "code2wav-device": check_code2wav,
 }
 
 
@@ -197,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda", torch.cuda.current_device())
     print(f"gpu_check_torch: torch {torch.__version__}, {torch.cuda.get_device_name(device)}")
     torch.backends.cuda.matmul.allow_tf32 = False  # float32 products, as the services run them
+    torch.backends.cudnn.allow_tf32 = False  # and float32 convolutions (Code2Wav)
     failed = 0
     for name in names:
         for w in widths:

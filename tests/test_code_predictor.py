@@ -532,6 +532,19 @@ def test_the_gpu_scripts_predictor_checks_pass_on_cpu_with_a_fake_graph(monkeypa
     script.check_seeded_sampler(script.TINY, torch.device("cpu"), batches=(7, 16))
 
 
+def test_the_gpu_scripts_code2wav_check_passes_on_cpu():
+    """scripts/gpu_check_torch.py's Code2Wav check with the CPU as "the
+    device" (the tolerances and the batched path; the device needs a GPU)."""
+    script = _gpu_script()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        note = script.check_code2wav(script.TINY, torch.device("cpu"))
+    finally:
+        torch.set_num_threads(threads)
+    assert "together vs alone" in note and "one by one" in note, note
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_the_gpu_scripts_predictor_checks_pass_on_the_device():
