@@ -94,9 +94,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    default=_env_int("OMNI_REPETITION_MAX_PERIOD", lengths.DEFAULT_REPETITION_MAX_PERIOD),
                    help="runaway guard: the longest cycle, in codec frames, that counts as a loop "
                         f"(default {lengths.DEFAULT_REPETITION_MAX_PERIOD})")
-    p.add_argument("--code2wav-workers", type=int, default=int(os.environ.get("OMNI_CODE2WAV_WORKERS", "1")),
+    p.add_argument("--code2wav-workers", default=os.environ.get("OMNI_CODE2WAV_WORKERS", "auto"),
                    help="code2wav (the vocoder) in this many worker processes; 0 = on a thread of the "
-                        "decoder (default 1)")
+                        "decoder; auto = one per 8 cores this process may use, 1 to 4 (default auto)")
     p.add_argument("--stage-processes", choices=("auto", "on", "off"),
                    default=os.environ.get("OMNI_STAGE_PROCESSES", "auto"),
                    help="run each AR stage's engine in a process of its own (engines side by side, the "
@@ -149,6 +149,25 @@ def materializer_stall_timeout(args: argparse.Namespace) -> float:
     value = args.materializer_stall_timeout_s
     if not value > 0:
         raise InvalidArgumentError("--materializer-stall-timeout-s", f"must be > 0 seconds, got {value}")
+    return value
+
+
+def code2wav_workers(args: argparse.Namespace, cores: int | None = None) -> int:
+    """--code2wav-workers: an integer >= 0, or auto (one worker per 8 of the
+    cores this process may run on, at least 1 and at most 4: each worker's
+    torch runs one thread, and the AR stages keep the rest); an
+    InvalidArgumentError names the option."""
+    raw = str(args.code2wav_workers).strip()
+    if raw == "auto":
+        if cores is None:
+            cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+        return max(1, min(4, cores // 8))
+    try:
+        value = int(raw)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise InvalidArgumentError("--code2wav-workers", f"must be auto or an integer >= 0, got {raw!r}")
     return value
 
 
@@ -216,6 +235,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         limits = stall_limits(args)
         materializer_stall_timeout(args)
+        workers = code2wav_workers(args)
     except InvalidArgumentError as exc:
         raise SystemExit(f"decoder: {exc}") from exc
     profile = load_profile(args.profile)
@@ -239,7 +259,7 @@ def main(argv: list[str] | None = None) -> None:
                 inline_transport=args.inline_transport,
                 in_process_builder=args.in_process_builder,
                 stall_timeout_s=args.materializer_stall_timeout_s,
-                code2wav_workers=args.code2wav_workers,
+                code2wav_workers=workers,
             )
         except InvalidArgumentError as exc:
             for backend in backends.values():

@@ -31,7 +31,12 @@ import pytest
 from decoder_svc.backend import RequestSpec
 from decoder_svc.pipeline import Pipeline
 from decoder_svc.profile import load_profile
-from decoder_svc.server import add_arguments, materializer_stall_timeout, stall_limits
+from decoder_svc.server import (
+    add_arguments,
+    code2wav_workers,
+    materializer_stall_timeout,
+    stall_limits,
+)
 from decoder_svc.servicer import DecoderServicer
 from decoder_svc.stage.liveness import watch_stages
 from decoder_svc.testing.fake_engine import FakeBackend, fake_vocoder
@@ -236,6 +241,20 @@ def test_the_stall_options_are_validated_naming_the_option():
     with pytest.raises(InvalidArgumentError) as err:
         materializer_stall_timeout(_options("--materializer-stall-timeout-s", "0"))
     assert err.value.field == "--materializer-stall-timeout-s", f"field: {err.value.field}"
+
+
+def test_code2wav_workers_default_to_one_per_8_cores_from_1_to_4(monkeypatch):
+    monkeypatch.delenv("OMNI_CODE2WAV_WORKERS", raising=False)
+    auto = _options()
+    got = {cores: code2wav_workers(auto, cores) for cores in (1, 2, 8, 16, 31, 32, 64, 256)}
+    assert got == {1: 1, 2: 1, 8: 1, 16: 2, 31: 3, 32: 4, 64: 4, 256: 4}, got
+    assert code2wav_workers(auto) >= 1  # this host's cores
+    assert code2wav_workers(_options("--code2wav-workers", "0")) == 0
+    assert code2wav_workers(_options("--code2wav-workers", "6")) == 6
+    for bad in ("-1", "two", "1.5"):
+        with pytest.raises(InvalidArgumentError) as err:
+            code2wav_workers(_options("--code2wav-workers", bad))
+        assert err.value.field == "--code2wav-workers" and repr(bad) in str(err.value), str(err.value)
 
 
 # -- the decoder as a process: gRPC health and statuses -------------------------------------
