@@ -67,6 +67,7 @@ from bench.common import (
     targets_json,
     targets_md,
 )
+from bench.continuity import continuity_summary
 
 MODES = ("async", "sync", "thread")
 # the decoder flag of the thread mode (a stack without a materializer)
@@ -155,13 +156,16 @@ class Client:
             pcm = hashlib.sha256()
             nbytes = 0
             last = None
+            arrivals: list[list[float]] = []  # [seconds since sent, seconds of audio] per chunk
             try:
                 for chunk in self.stub.Speak(req, timeout=600):
                     if chunk.audio:
+                        now = time.perf_counter()
                         if first is None:
-                            first = time.perf_counter()
+                            first = now
                         pcm.update(chunk.audio)
                         nbytes += len(chunk.audio)
+                        arrivals.append([now - t0, len(chunk.audio) / 2 / SAMPLE_RATE])
                     last = chunk
             except grpc.RpcError as exc:
                 if exc.code() == grpc.StatusCode.RESOURCE_EXHAUSTED and retries < 1000:
@@ -178,7 +182,7 @@ class Client:
             "wall_s": t1 - t0, "audio_s": audio_s, "rtf": (t1 - t0) / audio_s if audio_s else float("nan"),
             "sha256": pcm.hexdigest(), "bytes": nbytes, "retries": retries,
             "server_ttfp_ms": m.ttfp_ms if m else None, "server_rtf": m.rtf if m else None,
-            "first_chunk_frames": m.first_chunk_frames if m else 0,
+            "first_chunk_frames": m.first_chunk_frames if m else 0, "chunks": arrivals,
         }
 
     def generate(self, i: int, max_tokens: int, tag: str) -> dict[str, Any]:
@@ -390,7 +394,29 @@ def level_summary(reqs: list[dict[str, Any]]) -> dict[str, Any]:
         "server_ttfp_ms": summary([r["server_ttfp_ms"] for r in reqs if r["server_ttfp_ms"]]),
         "audio_s_total": audio, "audio_s_per_wall_s": audio / wall, "retries": sum(r["retries"] for r in reqs),
         "first_chunk_frames": first_chunks(reqs),
+        # playback from 250 ms buffered (bench/continuity.py); runs recorded
+        # before chunk arrivals were kept have none
+        "continuity": continuity_summary(r["chunks"] for r in reqs) if all("chunks" in r for r in reqs) else None,
     }
+
+
+def continuity_md(levels: dict[str, dict[str, Any]]) -> list[str]:
+    """The continuity table (no lines for a run recorded without chunk arrivals)."""
+    rows = []
+    for c, lv in levels.items():
+        for m in MODES:
+            cont = lv[m].get("continuity")
+            if cont:
+                st = cont["stall_ms"]
+                rows.append([c, m, f"{cont['stalled']}/{cont['streams']}", cont["stalled_share"] * 100, st["p50"],
+                             st["p99"], st["max"]])
+    if not rows:
+        return []
+    return ["", "Audio continuity: each stream played from the moment 250 ms of it was buffered, in real time; a stall "
+            "is its buffer running empty before its last chunk arrived (bench/continuity.py). Stall time per stream, "
+            "streams that never stalled counting 0:", "",
+            md_table(["concurrency", "path", "streams stalled", "stalled %", "stall ms p50", "stall ms p99",
+                      "stall ms max"], rows)]
 
 
 def first_chunks(reqs: list[dict[str, Any]]) -> dict[str, int]:
@@ -794,6 +820,14 @@ def e2e_targets(levels: dict[str, dict[str, Any]], hashes, memory, top: int,  # 
               lambda v: comparable and v == comparable, f"/{comparable}",
               "sha256 of every request's PCM" + first_chunk_note(comparable, total)),
     ]
+    cont16, cont64 = (((level(c, "async") or {}).get("continuity")) for c in (16, 64))
+    if cont16 or cont64:
+        stalled = cont16["stalled_share"] * 100 if cont16 else None
+        targets.append(check(
+            "continuity: streams that stalled at a 250 ms buffer (async)", stalled, "0%", lambda v: v == 0, "%",
+            "concurrency 16" + (f" ({cont16['stalled']}/{cont16['streams']})" if cont16 else " (not run)")
+            + (f"; at 64: {cont64['stalled']}/{cont64['streams']} stalled, p99 {cont64['stall_ms']['p99']:.0f} ms"
+               if cont64 else "")))
     if omni:
         ohashes = omni["hashes"]
         oequal, ocomparable, ototal = hashes_held(ohashes)
@@ -838,6 +872,7 @@ def markdown(data: dict[str, Any], targets) -> str:  # noqa: ANN001
                          s["rtf"]["p50"], s["rtf"]["p99"], s["audio_s_per_wall_s"], s["retries"]])
     lines.append(md_table(["concurrency", "path", "requests", "wall s", "req/s", "TTFP p50 ms", "TTFP p99 ms", "RTF p50",
                            "RTF p99", "audio s / wall s", "gateway retries"], rows))
+    lines += continuity_md(data["levels"])
     lines += ["", "Async / sync and async / thread at each level (hashes: all three modes equal):", ""]
     rows = []
     for c, lv in data["levels"].items():
