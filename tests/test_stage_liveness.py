@@ -125,7 +125,8 @@ def test_a_wedged_decode_loop_in_process_fails_its_requests_and_is_reported():
     watchdog = Watchdog(StallLimits(floor_s=0.5, grace_s=1.5), interval_s=0.05,
                         on_change=lambda ready, live, stuck: changes.append((ready, live)))
     parts = watch_stages(pipeline, watchdog)
-    assert [p.name for p in parts] == ["stage:talker"], f"watched parts: {[p.name for p in parts]}"
+    # (code2wav on a thread of the decoder is watched too)
+    assert [p.name for p in parts] == ["stage:talker", "code2wav"], f"watched parts: {[p.name for p in parts]}"
     pipeline.start()
     watchdog.start()
     col = ErrorCollector()
@@ -164,6 +165,49 @@ def test_a_wedged_decode_loop_in_process_fails_its_requests_and_is_reported():
         assert col.finish["after"] not in ("error",) and col.audio.get("after"), (col.finish, col.errors)
     finally:
         backend.release.set()
+        watchdog.stop()
+        pipeline.stop()
+
+
+def test_a_wedged_code2wav_thread_fails_its_requests_and_is_reported(tmp_path):
+    """code2wav on a thread of the decoder (no worker processes), its vocoder
+    wedged: the running requests end with UNAVAILABLE naming the stall and
+    the decoder reports not ready; once the vocoder moves again, ready again
+    and a new request is served."""
+    from tests.fakes.code2wav_vocoders import FakeGatedVocoderFactory
+
+    profile = load_profile("tts")
+    gate, entered = tmp_path / "gate", tmp_path / "entered"
+    vocoder = FakeGatedVocoderFactory(str(gate), str(entered), gated_voice="default", num_codebooks=16,
+                                      codec_vocab=2048, left_context=profile.stages[-1].codec_left_context_frames)
+    pipeline = Pipeline(profile, {"talker": FakeBackend(role="talker")}, vocoder=vocoder,
+                        shm_prefix="omni-livetest", materializer_target=None, arena=None)
+    watchdog = Watchdog(StallLimits(floor_s=0.5, grace_s=1.5), interval_s=0.05)
+    parts = watch_stages(pipeline, watchdog)
+    assert [p.name for p in parts] == ["stage:talker", "code2wav"], f"watched parts: {[p.name for p in parts]}"
+    pipeline.start()
+    watchdog.start()
+    col = ErrorCollector()
+    try:
+        for i in range(3):
+            speak(pipeline, col, f"c{i}", i)
+        wait_for(entered.exists, 30, "the vocoder never started a chunk")
+        col.wait(3, timeout=30)
+        assert set(col.errors) == {"c0", "c1", "c2"}, f"finished: {col.finish}, errors: {col.errors}"
+        for rid, err in col.errors.items():
+            assert isinstance(err, UnavailableError), f"{rid}: {type(err).__name__}: {err}"
+            assert "code2wav made no progress for" in str(err), f"{rid}: {err}"
+            check_caught(str(err), 0.5)
+        assert not watchdog.ready and [s.name for s in watchdog.stuck()] == ["code2wav"], watchdog.stuck()
+        info = decoder_info(pipeline, watchdog)
+        assert [p.name for p in info.stuck_parts] == ["code2wav"], f"GetDecoderInfo: {info.stuck_parts}"
+        gate.touch()  # it moves again
+        wait_for(lambda: watchdog.ready and watchdog.live, 10, "the vocoder moved but the decoder stayed not ready")
+        speak(pipeline, col, "after", 9)
+        col.wait(4, timeout=30)
+        assert col.finish["after"] not in ("error",) and col.audio.get("after"), (col.finish, col.errors)
+    finally:
+        gate.touch()
         watchdog.stop()
         pipeline.stop()
 

@@ -6,6 +6,12 @@ vocoder here, on one thread: the same stream core as the worker processes
 ``.pool.Code2WavProcessPool``, so the pipeline can use either. Callers
 never wait: ``frames``/``finish``/``abort`` enqueue. No thread dies of an
 exception: a failing request ends alone (``on_error``).
+
+Liveness (``omni_common.liveness``): ``progress`` (part ``code2wav``) counts
+the loop's decode turns; work waits while items are queued or chunks are
+ready to decode. The decoder's watchdog judges it
+(``decoder_svc.stage.liveness``): nothing can restart a thread, so a stuck
+loop fails the running requests and the decoder reports not ready.
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import numpy as np
 from decoder_svc import metrics
 from decoder_svc.code2wav.core import Code2WavCore, run_chunks
 from decoder_svc.profile import StageConfig
+from omni_common.liveness import Progress
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +59,8 @@ class Code2WavWorker:
         self._queued = 0  # the core's ready chunks, as the gauge has them
         self._thread = threading.Thread(target=self._loop, name="code2wav", daemon=True)
         self.pids: list[int] = []  # no worker process: it runs on a thread here
+        # the loop's liveness: advanced once per decode turn, by the loop only
+        self.progress = Progress("code2wav", self._has_work)
 
     @property
     def chunks(self) -> int:
@@ -96,7 +105,13 @@ class Code2WavWorker:
         except Exception as exc:  # noqa: BLE001 -- fail this request, keep serving the others
             self._fail(rid, exc)
 
+    def _has_work(self) -> bool:
+        """Work waits for the loop: items queued, or chunks ready to decode."""
+        return not self._queue.empty() or self._core.queued > 0
+
     def _emit(self, rid: str, audio: np.ndarray, last: bool, reason: str) -> None:
+        if self._core.turn_first:  # one round of the loop: a vocoder call (or empty lasts only)
+            self.progress.advance(self._core.decode_s)
         self._report()
         if self._core.first_wait is not None:
             metrics.CODE2WAV_FIRST_CHUNK_WAIT.observe(self._core.first_wait)

@@ -22,8 +22,11 @@ code2wav worker process, under one ``Watchdog``:
   ``code2wav:<index>``): its progress follows the chunks its decode loop
   reports; stuck, the process is killed (``Code2WavProcessPool.kill_stuck``),
   the requests pinned to it end with UNAVAILABLE naming the stall, and it is
-  started again as after a crash. (code2wav on a thread of the decoder is
-  not watched.)
+  started again as after a crash;
+- code2wav on a thread of the decoder (``decoder_svc.code2wav.thread``, part
+  ``code2wav``): like a decode loop in this process, its stall fails the
+  running requests and the decoder reports not ready, not live past the
+  grace.
 
 Both kinds of child process are killed the same way (``_kill``: the part's
 ``kill_stuck(seconds, limit_s)``).
@@ -42,6 +45,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from decoder_svc.code2wav.pool import Code2WavProcessPool
+from decoder_svc.code2wav.thread import Code2WavWorker
 from decoder_svc.stage.proxy import StageProcess
 from omni_common.errors import UnavailableError
 from omni_common.liveness import Progress, Watchdog, no_progress
@@ -54,7 +58,7 @@ logger = logging.getLogger(__name__)
 
 def watch_stages(pipeline: Pipeline, watchdog: Watchdog) -> list[Progress]:
     """Watch every AR stage of `pipeline`, the dispatch loop of every
-    materializer link, and its code2wav worker processes (if it has them)
+    materializer link, and its code2wav (worker processes, or its thread)
     with `watchdog`; the parts watched."""
     parts = []
     for runner in pipeline.runners.values():
@@ -76,6 +80,9 @@ def watch_stages(pipeline: Pipeline, watchdog: Watchdog) -> list[Progress]:
         for index, progress in enumerate(code2wav.progress):
             progress.on_stuck = _kill(functools.partial(code2wav.kill_stuck, index), watchdog)
             parts.append(watchdog.watch(progress))
+    elif isinstance(code2wav, Code2WavWorker):
+        code2wav.progress.on_stuck = _fail_running(pipeline, watchdog)
+        parts.append(watchdog.watch(code2wav.progress))
     return parts
 
 
