@@ -47,7 +47,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench import record
+from bench import record, step_parts
 from bench.common import (
     RssSampler,
     SuiteResult,
@@ -343,6 +343,11 @@ def decoder_info(target: str) -> dict[str, Any]:
     }
 
 
+def decoder_metrics(stack: Any) -> list[str]:
+    """The /metrics URLs of a stack's decoders."""
+    return [svc.metrics_url for svc in stack.services if svc.name.startswith("decoder") and svc.metrics_url]
+
+
 def cpu_snapshot(stack: Any) -> dict[str, float]:
     """CPU seconds so far of each service of a stack (its child processes
     included), of this process (the clients), and of the whole host (busy =
@@ -419,6 +424,20 @@ def continuity_md(levels: dict[str, dict[str, Any]]) -> list[str]:
                       "stall ms max"], rows)]
 
 
+def step_parts_md(levels: dict[str, dict[str, Any]]) -> list[str]:
+    """Where the talker's steps went (no lines for a run recorded without it)."""
+    rows = [[c, m, t["steps"], t["step_ms"], t["forward_share"] * 100, t["code_predictor_share"] * 100,
+             t["output_path_share"] * 100]
+            for c, lv in levels.items() for m in MODES if (t := lv[m].get("talker_step"))]
+    if not rows:
+        return []
+    return ["", "The talker's steps (the decoders' /metrics, bench/step_parts.py): a step is its forward and sample "
+            "plus the critical-path gap before the next one (the output path); the code predictor runs inside the "
+            "step (host time):", "",
+            md_table(["concurrency", "path", "talker steps", "ms per step", "forward %", "code predictor %",
+                      "output path %"], rows)]
+
+
 def first_chunks(reqs: list[dict[str, Any]]) -> dict[str, int]:
     """How many requests had each first chunk (frames), as the servers reported."""
     counts = collections.Counter(int(r.get("first_chunk_frames") or 0) for r in reqs)
@@ -482,13 +501,16 @@ def run(cfg: E2EConfig, out_dir: Path) -> SuiteResult:
                 with progress(n, f"e2e: {mode} c={c}", "req") as bar:
                     probe = InfoProbe(stacks[mode].decoder_target, cfg.probe_interval_s) if c == top else None
                     cpu0 = cpu_snapshot(stacks[mode])
+                    parts0 = step_parts.snapshot(decoder_metrics(stacks[mode]))
                     t0 = sampler.now()
                     with probe or contextlib.nullcontext():
                         reqs = clients[mode].run_level(list(range(n)), c, cfg.max_tokens, f"c{c}-{mode}", bar)
                     t1 = sampler.now()
                     cpu1 = cpu_snapshot(stacks[mode])
+                    parts1 = step_parts.snapshot(decoder_metrics(stacks[mode]))
                 levels[str(c)][mode] = {"requests": reqs, "cpu": {"before": cpu0, "after": cpu1, "wall_s": t1 - t0},
-                                        "window_s": [t0, t1], "probe": probe.raw() if probe is not None else None}
+                                        "window_s": [t0, t1], "probe": probe.raw() if probe is not None else None,
+                                        "step_parts": {"before": parts0, "after": parts1}}
         time.sleep(0.5)
         sampler.mark("end")
         for mode in MODES:
@@ -531,7 +553,8 @@ def analyze(rec: dict[str, Any]) -> tuple[dict[str, Any], list[Any]]:
     per level and stack the request summaries, CPU, probe; the hashes
     compared across the stacks; memory; the omni variant; failover."""
     raw, settings, cores = rec["raw"], rec["settings"], rec["host"]["cores_available"]
-    levels = {c: {m: {**level_summary(lv[m]["requests"]), "cpu": cpu_report(lv[m]["cpu"], len(lv[m]["requests"]), cores)}
+    levels = {c: {m: {**level_summary(lv[m]["requests"]), "cpu": cpu_report(lv[m]["cpu"], len(lv[m]["requests"]), cores),
+                      "talker_step": step_parts.shares(**(lv[m].get("step_parts") or {"before": None, "after": None}))}
                   for m in MODES} for c, lv in raw["levels"].items()}
     top = str(max(int(c) for c in raw["levels"])) if raw["levels"] else ""
     probes = {m: probe_summary(lv["probe"]) for m, lv in raw["levels"].get(top, {}).items() if lv["probe"]}
@@ -820,6 +843,11 @@ def e2e_targets(levels: dict[str, dict[str, Any]], hashes, memory, top: int,  # 
               lambda v: comparable and v == comparable, f"/{comparable}",
               "sha256 of every request's PCM" + first_chunk_note(comparable, total)),
     ]
+    step64 = (level(64, "async") or {}).get("talker_step")
+    if step64:
+        targets.append(check("talker step at concurrency 64 (async): code predictor share",
+                             step64["code_predictor_share"] * 100, "<= 35%", lambda v: v <= 35, "%",
+                             f"{step64['steps']} steps, {step64['step_ms']:.1f} ms each"))
     cont16, cont64 = (((level(c, "async") or {}).get("continuity")) for c in (16, 64))
     if cont16 or cont64:
         stalled = cont16["stalled_share"] * 100 if cont16 else None
@@ -872,7 +900,7 @@ def markdown(data: dict[str, Any], targets) -> str:  # noqa: ANN001
                          s["rtf"]["p50"], s["rtf"]["p99"], s["audio_s_per_wall_s"], s["retries"]])
     lines.append(md_table(["concurrency", "path", "requests", "wall s", "req/s", "TTFP p50 ms", "TTFP p99 ms", "RTF p50",
                            "RTF p99", "audio s / wall s", "gateway retries"], rows))
-    lines += continuity_md(data["levels"])
+    lines += continuity_md(data["levels"]) + step_parts_md(data["levels"])
     lines += ["", "Async / sync and async / thread at each level (hashes: all three modes equal):", ""]
     rows = []
     for c, lv in data["levels"].items():

@@ -20,6 +20,13 @@ STEP_TIME = Histogram(
     "omni_decoder_step_seconds", "Time of one decode step (forward + sample)", ["stage"],
     buckets=_GAP_BUCKETS,
 )
+CODE_PREDICTOR_TIME = Histogram(
+    "omni_decoder_code_predictor_seconds",
+    "Time the talker's code predictor took in one decode step (codebooks 1..G-1 of every row and their "
+    "bookkeeping; host time, part of omni_decoder_step_seconds)",
+    ["stage"],
+    buckets=_GAP_BUCKETS,
+)
 STEPS = Counter("omni_decoder_steps_total", "Decode steps run", ["stage", "path"])
 MATERIALIZER_LAG = Gauge(
     "omni_decoder_materializer_lag_steps", "Steps sent to the materializer and not yet answered"

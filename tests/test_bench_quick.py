@@ -119,6 +119,16 @@ def test_e2e_async_sync_and_thread_give_the_same_audio(results):
             assert s["requests"] == cfg.prompts[int(c)], (c, mode)
             assert finite(s["throughput_rps"], s["ttfp_ms"]["p50"], s["ttfp_ms"]["p99"], s["rtf"]["p50"])
             assert s["audio_s_total"] > 0
+    for c, level in data["levels"].items():
+        for mode in e2e.MODES:
+            # where the talker's steps went, from the decoders' /metrics
+            t = level[mode]["talker_step"]
+            assert t and t["steps"] > 0 and finite(t["step_ms"]), (c, mode, t)
+            assert abs(t["forward_share"] + t["code_predictor_share"] + t["output_path_share"] - 1) < 1e-6, t
+            if data["engine"] == "vllm":  # the fake talker has no code predictor
+                assert 0 < t["code_predictor_share"] < 1, (c, mode, t)
+            cont = level[mode]["continuity"]
+            assert cont["streams"] == cfg.prompts[int(c)] and 0 <= cont["stalled"] <= cont["streams"], cont
     hashes = data["hashes"]
     assert len(hashes) == sum(cfg.prompts[c] for c in cfg.concurrency)
     assert all(h[m] for h in hashes for m in e2e.MODES), "a mode has no result for a prompt"
