@@ -285,6 +285,8 @@ def test_pipeline_sync_and_async_paths_give_identical_audio(models, monkeypatch)
     with async scheduling forced on (OMNI_CPU_ASYNC_SCHEDULING=1, the
     behaviour before) give byte-identical audio and codes; code2wav's
     codebook 0 is exactly what the engine reported."""
+    from prometheus_client import REGISTRY
+
     from decoder_svc.testing.standin_backend import StandinBackend
     from decoder_svc.testing.standin_profiles import build_backends
     from decoder_svc.vllm_engine.engine_factory import FORCE_ASYNC_ENV
@@ -293,7 +295,14 @@ def test_pipeline_sync_and_async_paths_give_identical_audio(models, monkeypatch)
     sync_backend = StandinBackend(models / "talker", async_scheduling=False, stop_token_ids=TALKER_STOP_IDS,
                                pooling_engine="off")
     assert sync_backend.engine_facts()["async_scheduling"] is False
+
+    def predictor(kind: str) -> float:  # the code predictor's time in the talker's steps
+        got = REGISTRY.get_sample_value(f"omni_decoder_code_predictor_seconds_{kind}", {"stage": sync_backend.name})
+        return got or 0.0
+
+    calls, spent = predictor("count"), predictor("sum")
     sync = run_tts_pipeline(sync_backend, specs, async_path=False)
+    assert predictor("count") > calls and predictor("sum") > spent, "the code predictor's time was not observed"
 
     monkeypatch.delenv(FORCE_ASYNC_ENV, raising=False)
     async_backend = build_backends("tts", models, max_num_seqs=32, stop_token_ids=TALKER_STOP_IDS,

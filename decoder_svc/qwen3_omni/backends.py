@@ -32,13 +32,11 @@ import json
 import logging
 import os
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from decoder_svc import metrics
 from decoder_svc.backend import RequestSpec
 from decoder_svc.profile import IN_PROCESS_RUNNER
 from decoder_svc.vllm_engine.backend import VLLMBackend
@@ -470,17 +468,13 @@ class TalkerBackend(VLLMBackend):
     ) -> torch.Tensor:
         # host ids/mask for the per-request bookkeeping, the sampler's own
         # ids and the last hidden rows on the device for the code predictor
-        t0 = time.perf_counter()
-        try:
-            return self._model.on_sampled(
-                cap.external_req_ids,
-                cap.last_hidden_per_request(),
-                tokens[:, 0],
-                row_ok,
-                cap.sampled_token_ids[:, 0],
-            )
-        finally:
-            metrics.CODE_PREDICTOR_TIME.labels(self.name).observe(time.perf_counter() - t0)
+        return self._model.on_sampled(
+            cap.external_req_ids,
+            cap.last_hidden_per_request(),
+            tokens[:, 0],
+            row_ok,
+            cap.sampled_token_ids[:, 0],
+        )
 
     def _forget(self, request_id: str) -> None:
         self._builders.pop(request_id, None)

@@ -84,20 +84,15 @@ from .step_assembly import (
     engine_outputs,
     pop_capture,
     take_capture,
+    timed_codes,
 )
 
 log = logging.getLogger(__name__)
 
-__all__ = [
-    "VLLMBackend",
-    "FORWARD_LOCK",
-    "ROLES",
-    "DEFAULT_MAX_TOKENS",
-]
+__all__ = ["VLLMBackend", "FORWARD_LOCK", "ROLES", "DEFAULT_MAX_TOKENS"]
 
 ROLES = ("talker", "thinker")
 DEFAULT_MAX_TOKENS = {"talker": 64, "thinker": 256}
-
 
 
 class VLLMBackend:
@@ -481,7 +476,7 @@ class VLLMBackend:
             take_capture(
                 cap,
                 key=key,
-                codes_of=self._codes if self.is_talker else None,
+                codes_of=timed_codes(self._codes, self.name) if self.is_talker else None,
                 extra=extra,
                 extra_of=self._extra_outputs,
                 capture_hidden=self.capture_hidden,

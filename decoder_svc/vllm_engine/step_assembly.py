@@ -48,6 +48,7 @@ rows include the draft positions the step scheduled.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable, Container, Iterable
 from dataclasses import dataclass
@@ -55,6 +56,7 @@ from typing import Any
 
 import torch
 
+from decoder_svc import metrics
 from decoder_svc.backend import LazyDict, LazyList, StepOutput
 from omni_common.materialize import PER_REQUEST as TENSOR_LAYOUT_PER_REQUEST
 from omni_common.materialize import PER_TOKEN as TENSOR_LAYOUT_PER_TOKEN
@@ -123,6 +125,23 @@ class Captured:
     hidden: torch.Tensor | None  # [T, H] float32 (device; capture_hidden): the runner's tensor or the one copy
     codes: torch.Tensor | None  # [n, K] int64 (device; talker)
     extra: dict[str, torch.Tensor]  # per-token tensors [T, ...] (device; model-specific)
+
+
+def timed_codes(
+    codes_of: Callable[[StepCapture, torch.Tensor, torch.Tensor], torch.Tensor], stage: str
+) -> Callable[[StepCapture, torch.Tensor, torch.Tensor], torch.Tensor]:
+    """`codes_of` (a talker's code predictor over the step's rows), its host
+    time observed in ``omni_decoder_code_predictor_seconds{stage}``."""
+    histogram = metrics.CODE_PREDICTOR_TIME.labels(stage)
+
+    def timed(cap: StepCapture, tokens: torch.Tensor, row_ok: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
+        try:
+            return codes_of(cap, tokens, row_ok)
+        finally:
+            histogram.observe(time.perf_counter() - t0)
+
+    return timed
 
 
 def take_capture(
