@@ -225,8 +225,9 @@ def test_receiver_loop_error_fails_over_without_losing_steps(monkeypatch, remote
 
 def test_code2wav_error_fails_the_request_and_the_worker_keeps_serving(monkeypatch):
     with running(in_process_builder=True) as (pipeline, arena):
-        fault = raise_once(chunking_mod.ChunkState.decode, OmniError("injected"))
-        monkeypatch.setattr(chunking_mod.ChunkState, "decode", fault)
+        # the worker's turn takes each chunk's frames, then calls the vocoder
+        fault = raise_once(chunking_mod.ChunkState.take, OmniError("injected"))
+        monkeypatch.setattr(chunking_mod.ChunkState, "take", fault)
         check_fault_then_recovery(pipeline, arena, "audio generation failed")
         assert fault.fired and pipeline.code2wav._thread.is_alive()
 
