@@ -49,7 +49,7 @@ EXT = [f"r{i}" for i in range(4)]
 def _backend(*, talker: bool, cp_weight: torch.Tensor | None = None) -> StandinBackend:
     """A StandinBackend (a VLLMBackend) without an engine: only what the step's code reads."""
     b = object.__new__(StandinBackend)
-    b.role = "talker" if talker else "thinker"
+    b.role = b.name = "talker" if talker else "thinker"
     b.is_talker = talker
     b.capture_hidden = True
     b.num_codebooks = K if talker else 1
