@@ -415,13 +415,16 @@ def continuity_md(levels: dict[str, dict[str, Any]]) -> list[str]:
                 st = cont["stall_ms"]
                 rows.append([c, m, f"{cont['stalled']}/{cont['streams']}", cont["stalled_share"] * 100, st["p50"],
                              st["p99"], st["max"]])
-    if not rows:
-        return []
-    return ["", "Audio continuity: each stream played from the moment 250 ms of it was buffered, in real time; a stall "
-            "is its buffer running empty before its last chunk arrived (bench/continuity.py). Stall time per stream, "
-            "streams that never stalled counting 0:", "",
-            md_table(["concurrency", "path", "streams stalled", "stalled %", "stall ms p50", "stall ms p99",
-                      "stall ms max"], rows)]
+    return _section("Audio continuity: each stream played from the moment 250 ms of it was buffered, in real time; "
+                    "a stall is its buffer running empty before its last chunk arrived (bench/continuity.py). Stall "
+                    "time per stream, streams that never stalled counting 0:",
+                    ["concurrency", "path", "streams stalled", "stalled %", "stall ms p50", "stall ms p99",
+                     "stall ms max"], rows)
+
+
+def _section(caption: str, headers: list[str], rows: list[list[Any]]) -> list[str]:
+    """A captioned table after a blank line; no lines without rows (a run recorded before it was measured)."""
+    return ["", caption, "", md_table(headers, rows)] if rows else []
 
 
 def step_parts_md(levels: dict[str, dict[str, Any]]) -> list[str]:
@@ -429,13 +432,11 @@ def step_parts_md(levels: dict[str, dict[str, Any]]) -> list[str]:
     rows = [[c, m, t["steps"], t["step_ms"], t["forward_share"] * 100, t["code_predictor_share"] * 100,
              t["output_path_share"] * 100]
             for c, lv in levels.items() for m in MODES if (t := lv[m].get("talker_step"))]
-    if not rows:
-        return []
-    return ["", "The talker's steps (the decoders' /metrics, bench/step_parts.py): a step is its forward and sample "
-            "plus the critical-path gap before the next one (the output path); the code predictor runs inside the "
-            "step (host time):", "",
-            md_table(["concurrency", "path", "talker steps", "ms per step", "forward %", "code predictor %",
-                      "output path %"], rows)]
+    return _section("The talker's steps (the decoders' /metrics, bench/step_parts.py): a step is its forward and "
+                    "sample plus the critical-path gap before the next one (the output path); the code predictor runs "
+                    "inside the step (host time):",
+                    ["concurrency", "path", "talker steps", "ms per step", "forward %", "code predictor %",
+                     "output path %"], rows)
 
 
 def first_chunks(reqs: list[dict[str, Any]]) -> dict[str, int]:

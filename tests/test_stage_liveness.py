@@ -81,6 +81,26 @@ def check_caught(message: str, floor_s: float) -> None:
     assert seconds - limit < 3.0, f"caught late: {message}"
 
 
+def start_speaking(pipeline: Pipeline, watchdog: Watchdog, col: ErrorCollector, prefix: str) -> None:
+    """Watch the pipeline's parts (its talker's decode loop and code2wav, both
+    on threads of this process), start both, and send three requests."""
+    parts = watch_stages(pipeline, watchdog)
+    assert [p.name for p in parts] == ["stage:talker", "code2wav"], f"watched parts: {[p.name for p in parts]}"
+    pipeline.start()
+    watchdog.start()
+    for i in range(3):
+        speak(pipeline, col, f"{prefix}{i}", i)
+
+
+def check_ended_unavailable(col: ErrorCollector, rids: set[str], part: str, floor_s: float = 0.5) -> None:
+    """Exactly `rids` ended, each with UNAVAILABLE naming `part`'s stall."""
+    assert set(col.errors) == rids, f"finished: {col.finish}, errors: {col.errors}"
+    for rid, err in col.errors.items():
+        assert isinstance(err, UnavailableError), f"{rid}: {type(err).__name__}: {err}"
+        assert f"{part} made no progress for" in str(err), f"{rid}: {err}"
+        check_caught(str(err), floor_s)
+
+
 def check_ended_by_stall(calls, timeout_s: float, naming: str, floor_s: float) -> list:
     """Wait for the gRPC `calls` (tests.test_link_faults.Call); at least one
     failed, and each that failed ended UNAVAILABLE with `naming` and the stall
@@ -124,22 +144,12 @@ def test_a_wedged_decode_loop_in_process_fails_its_requests_and_is_reported():
     changes: list[tuple[bool, bool]] = []
     watchdog = Watchdog(StallLimits(floor_s=0.5, grace_s=1.5), interval_s=0.05,
                         on_change=lambda ready, live, stuck: changes.append((ready, live)))
-    parts = watch_stages(pipeline, watchdog)
-    # (code2wav on a thread of the decoder is watched too)
-    assert [p.name for p in parts] == ["stage:talker", "code2wav"], f"watched parts: {[p.name for p in parts]}"
-    pipeline.start()
-    watchdog.start()
     col = ErrorCollector()
     try:
-        for i in range(3):
-            speak(pipeline, col, f"w{i}", i)
+        start_speaking(pipeline, watchdog, col, "w")
         assert backend.wedged.wait(10), "the fake engine never wedged"
         col.wait(3, timeout=30)
-        assert set(col.errors) == {"w0", "w1", "w2"}, f"finished: {col.finish}, errors: {col.errors}"
-        for rid, err in col.errors.items():
-            assert isinstance(err, UnavailableError), f"{rid}: {type(err).__name__}: {err}"
-            assert "stage:talker made no progress for" in str(err), f"{rid}: {err}"
-            check_caught(str(err), 0.5)
+        check_ended_unavailable(col, {"w0", "w1", "w2"}, "stage:talker")
         assert not watchdog.ready, "a stuck decode loop left the decoder ready"
         assert [s.name for s in watchdog.stuck()] == ["stage:talker"], f"stuck: {watchdog.stuck()}"
         info = decoder_info(pipeline, watchdog)
@@ -183,21 +193,12 @@ def test_a_wedged_code2wav_thread_fails_its_requests_and_is_reported(tmp_path):
     pipeline = Pipeline(profile, {"talker": FakeBackend(role="talker")}, vocoder=vocoder,
                         shm_prefix="omni-livetest", materializer_target=None, arena=None)
     watchdog = Watchdog(StallLimits(floor_s=0.5, grace_s=1.5), interval_s=0.05)
-    parts = watch_stages(pipeline, watchdog)
-    assert [p.name for p in parts] == ["stage:talker", "code2wav"], f"watched parts: {[p.name for p in parts]}"
-    pipeline.start()
-    watchdog.start()
     col = ErrorCollector()
     try:
-        for i in range(3):
-            speak(pipeline, col, f"c{i}", i)
+        start_speaking(pipeline, watchdog, col, "c")
         wait_for(entered.exists, 30, "the vocoder never started a chunk")
         col.wait(3, timeout=30)
-        assert set(col.errors) == {"c0", "c1", "c2"}, f"finished: {col.finish}, errors: {col.errors}"
-        for rid, err in col.errors.items():
-            assert isinstance(err, UnavailableError), f"{rid}: {type(err).__name__}: {err}"
-            assert "code2wav made no progress for" in str(err), f"{rid}: {err}"
-            check_caught(str(err), 0.5)
+        check_ended_unavailable(col, {"c0", "c1", "c2"}, "code2wav")
         assert not watchdog.ready and [s.name for s in watchdog.stuck()] == ["code2wav"], watchdog.stuck()
         info = decoder_info(pipeline, watchdog)
         assert [p.name for p in info.stuck_parts] == ["code2wav"], f"GetDecoderInfo: {info.stuck_parts}"
