@@ -223,9 +223,10 @@ class Dispatcher:
 
     def _log_no_slot(self, meta: SnapshotMeta, reason: str) -> None:
         """Say why a step is built in-process for want of a slot (at most
-        once every 10 s: under overload it is every step; the counter has them)."""
+        once every 10 s: under overload it is every step; the counter has them).
+        Without a materializer, building in-process is the mode: nothing to say."""
         now = time.monotonic()
-        if now - self._no_slot_logged_s < 10.0:
+        if not self.state.target or now - self._no_slot_logged_s < 10.0:
             return
         self._no_slot_logged_s = now
         st = self.state
