@@ -35,6 +35,7 @@ from decoder_svc.qwen3_omni.talker import TalkerRequestState, sampled_frame_code
 from decoder_svc.snapshot import meta_of, step_tensors, take_snapshot  # noqa: E402
 from decoder_svc.testing.standin_backend import StandinBackend  # noqa: E402
 from decoder_svc.vllm_engine.capture import StepCapture  # noqa: E402
+from decoder_svc.vllm_engine.step_assembly import timed_codes  # noqa: E402
 from omni_common.materialize import HIDDEN_STATES, SAMPLED_TOKEN_IDS  # noqa: E402
 from omni_common.shm_arena import ShmArena  # noqa: E402
 
@@ -59,6 +60,7 @@ def _backend(*, talker: bool, cp_weight: torch.Tensor | None = None) -> StandinB
     b._copy_hidden = False
     b._captured = deque()
     b.dropped_rows = 0
+    b._codes_of = timed_codes(b._codes, b.name) if talker else None
     return b
 
 

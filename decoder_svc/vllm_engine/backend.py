@@ -173,6 +173,7 @@ class VLLMBackend:
             raise InvalidArgumentError("role", f"must be one of {ROLES}, got {self.role!r}")
         self.name = name or self.role
         self.is_talker = self.role == "talker"
+        self._codes_of = timed_codes(self._codes, self.name) if self.is_talker else None  # built once
         if self.is_talker and speculative_config is not None:
             raise InvalidArgumentError(
                 "speculative_config",
@@ -476,7 +477,7 @@ class VLLMBackend:
             take_capture(
                 cap,
                 key=key,
-                codes_of=timed_codes(self._codes, self.name) if self.is_talker else None,
+                codes_of=self._codes_of,
                 extra=extra,
                 extra_of=self._extra_outputs,
                 capture_hidden=self.capture_hidden,
