@@ -23,9 +23,7 @@ and its sampler, on CPU float32 with random weights.
 from __future__ import annotations
 
 import copy
-import threading
 import types
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -33,7 +31,8 @@ import torch
 from bench.baselines.code_predictor_v0 import CodePredictor as PreviousCodePredictor
 from decoder_svc.qwen3_omni.code_predictor import CodePredictor, _GraphRunner, row_tile
 from decoder_svc.qwen3_omni.code_sampling import SamplingBatch, group_keys, sample, uniforms
-from decoder_svc.qwen3_omni.talker import TalkerRequestState, sampled_frame_codes
+from decoder_svc.qwen3_omni.talker import sampled_frame_codes
+from decoder_svc.qwen3_omni.talker_slots import TalkerRequestState, TalkerSlots
 from tests.fake_device import FakeDeviceMode, module_to_device, to_device, to_host
 
 V = 2048
@@ -385,13 +384,21 @@ def test_row_tile_makes_matrix_products_row_invariant_here():
         assert torch.equal(torch.nn.functional.linear(x[:m], w), ref[:m]), f"{m} rows (tile {tile})"
 
 
-def _talker(cp: CodePredictor, emb: torch.nn.Embedding, rids: list[str], seeds: list[int]) -> SimpleNamespace:
-    """The parts of the vLLM talker that sampled_frame_codes reads (a stand-in)."""
-    states = {rid: TalkerRequestState(prompt_len=3, trailing=torch.zeros(2, emb.embedding_dim),
-                                      pad=torch.zeros(emb.embedding_dim), temperature=1.0, top_k=50, top_p=0.8,
-                                      seed=seed) for rid, seed in zip(rids, seeds, strict=True)}
-    return SimpleNamespace(code_predictor=cp, model=SimpleNamespace(codec_embedding=emb), states=states,
-                           states_lock=threading.Lock(), _suppress=torch.zeros(V + 8, dtype=torch.bool))
+def _slots(cp: CodePredictor, emb: torch.nn.Embedding, rids: list[str], seeds: list[int]) -> TalkerSlots:
+    """The talker's slot store with these requests (sampled: temperature 1, top-k 50, top-p 0.8)."""
+    slots = TalkerSlots(emb.embedding_dim, V + 8)
+    for rid, seed in zip(rids, seeds, strict=True):
+        slots.add(rid, TalkerRequestState(prompt_len=3, trailing=torch.zeros(2, emb.embedding_dim),
+                                          pad=torch.zeros(emb.embedding_dim), temperature=1.0, top_k=50,
+                                          top_p=0.8, seed=seed))
+    return slots
+
+
+def _frame(slots: TalkerSlots, cp: CodePredictor, emb: torch.nn.Embedding, ids: list[str], hidden: torch.Tensor,
+           code0: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """One step's frame postprocess, the step's rows prepared first (as the talker's runner does)."""
+    slots.prepare(ids, list(range(len(ids) + 1)))
+    return sampled_frame_codes(slots, cp, emb, ids, hidden, code0, valid)
 
 
 def test_talker_frames_depend_on_the_requests_seed_and_frame_count_alone():
@@ -399,12 +406,13 @@ def test_talker_frames_depend_on_the_requests_seed_and_frame_count_alone():
     emb = torch.nn.Embedding(V + 8, TINY["hidden_size"])
     rng = torch.Generator().manual_seed(14)
     frames = [(torch.randn(1, 128, generator=rng), int(torch.randint(0, V, (1,), generator=rng))) for _ in range(3)]
-    solo = _talker(cp, emb, ["x"], [77])
-    want = [sampled_frame_codes(solo, ["x"], h, torch.tensor([c]), torch.tensor([True]))[0] for h, c in frames]
-    assert solo.states["x"].frames == 3
+    solo = _slots(cp, emb, ["x"], [77])
+    want = [_frame(solo, cp, emb, ["x"], h, torch.tensor([c]), torch.tensor([True]))[0] for h, c in frames]
+    assert solo.frames[1].item() == 3
     assert len({tuple(w.tolist()) for w in want}) == 3
     crowd_ids = [f"r{i}" for i in range(40)]
-    crowd = _talker(cp, emb, crowd_ids + ["x"], list(range(40)) + [77])
+    crowd = _slots(cp, emb, crowd_ids + ["x"], list(range(40)) + [77])
+    x_slot = 41
     for f, (h, c) in enumerate(frames):
         n = 10 + 15 * f  # a different batch each frame; "x" at a different row
         ids = crowd_ids[:n] + ["x"]
@@ -415,11 +423,13 @@ def test_talker_frames_depend_on_the_requests_seed_and_frame_count_alone():
         hidden[at], code0[at] = h[0], c
         valid = torch.ones(len(ids), dtype=torch.bool)
         valid[0] = at == 0  # an invalid row predicts nothing and keeps its frame count
-        got = sampled_frame_codes(crowd, ids, hidden, code0, valid)
+        got = _frame(crowd, cp, emb, ids, hidden, code0, valid)
         assert torch.equal(got[at], want[f]), f"frame {f}: {got[at].tolist()} alone {want[f].tolist()}"
         expected = want_sum(cp, want[f])
-        assert torch.equal(crowd.states["x"].residual_sum, expected), f"frame {f}: residual sums differ"
-    assert crowd.states["x"].frames == 3
+        assert torch.equal(crowd.residual_sum[x_slot], expected), f"frame {f}: residual sums differ"
+        if at != 0:
+            assert torch.equal(got[0, 1:], torch.zeros_like(got[0, 1:])), "an invalid row's residual codes are zero"
+    assert crowd.frames[x_slot].item() == 3
 
 
 def want_sum(cp: CodePredictor, codes: torch.Tensor) -> torch.Tensor:

@@ -15,11 +15,9 @@ from __future__ import annotations
 import copy
 import itertools
 import sys
-import threading
 import types
 from collections import deque
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -31,7 +29,8 @@ from fake_device import FakeDeviceMode, module_to_device, to_device, to_host  # 
 from decoder_svc.backend import LazyDict, LazyList  # noqa: E402
 from decoder_svc.qwen3_omni.code_predictor import CodePredictor  # noqa: E402
 from decoder_svc.qwen3_omni.code_sampling import SamplingBatch  # noqa: E402
-from decoder_svc.qwen3_omni.talker import TalkerRequestState, sampled_frame_codes  # noqa: E402
+from decoder_svc.qwen3_omni.talker import sampled_frame_codes  # noqa: E402
+from decoder_svc.qwen3_omni.talker_slots import TalkerRequestState, TalkerSlots  # noqa: E402
 from decoder_svc.snapshot import meta_of, step_tensors, take_snapshot  # noqa: E402
 from decoder_svc.testing.standin_backend import StandinBackend  # noqa: E402
 from decoder_svc.vllm_engine.capture import StepCapture  # noqa: E402
@@ -210,14 +209,13 @@ def _predictor() -> CodePredictor:
     return cp
 
 
-def _fake_talker(cp: CodePredictor, emb: torch.nn.Embedding, suppress: torch.Tensor) -> SimpleNamespace:
-    """A stand-in for the vLLM talker model: what sampled_frame_codes reads."""
-    states = {
-        rid: TalkerRequestState(prompt_len=3, trailing=torch.zeros(2, H), pad=torch.zeros(H))
-        for rid in ("a", "b", "c")
-    }
-    return SimpleNamespace(code_predictor=cp, model=SimpleNamespace(codec_embedding=emb), states=states,
-                           states_lock=threading.Lock(), _suppress=suppress)
+def _slots(req_ids: list[str]) -> TalkerSlots:
+    """The talker's slot store with requests a, b and c (greedy), the step's rows prepared."""
+    slots = TalkerSlots(H, V + 4)
+    for rid in ("a", "b", "c"):
+        slots.add(rid, TalkerRequestState(prompt_len=3, trailing=torch.zeros(2, H), pad=torch.zeros(H)))
+    slots.prepare(req_ids, list(range(len(req_ids) + 1)))
+    return slots
 
 
 def test_talker_frame_codes_run_on_the_models_device_without_a_sync():
@@ -227,12 +225,14 @@ def test_talker_frame_codes_run_on_the_models_device_without_a_sync():
     code0 = torch.tensor([3, V + 1, 5, 1])  # row 1: a control id (no residual codes)
     valid = torch.tensor([True, True, True, False])
     req_ids = ["a", "b", "c", "gone"]
-    host_talker = _fake_talker(copy.deepcopy(cp), copy.deepcopy(emb), torch.zeros(V + 4, dtype=torch.bool))
-    want = sampled_frame_codes(host_talker, req_ids, hidden, code0, valid)
+    host_slots = _slots(req_ids)
+    want = sampled_frame_codes(host_slots, copy.deepcopy(cp), copy.deepcopy(emb), req_ids, hidden, code0, valid)
     assert want[:, 0].tolist() == code0.tolist()
     assert want[1, 1:].tolist() == [0] * (K - 1) and want[3, 1:].tolist() == [0] * (K - 1)
-    ref_codes, _ = cp.predict(hidden[[0, 2]], emb(code0[[0, 2]]), SamplingBatch.greedy(2))
+    ref_codes, ref_sum = cp.predict(hidden[[0, 2]], emb(code0[[0, 2]]), SamplingBatch.greedy(2))
     assert torch.equal(want[[0, 2], 1:], ref_codes)
+    assert host_slots.frames[1:4].tolist() == [1, 0, 1] and host_slots.has_residual[1:4].tolist() == [True, False, True]
+    assert torch.equal(host_slots.residual_sum[[1, 3]], ref_sum)
 
     dev_cp = module_to_device(copy.deepcopy(cp))
     # the fake device's wrapper tensors cannot be viewed under inference mode:
@@ -240,17 +240,18 @@ def test_talker_frame_codes_run_on_the_models_device_without_a_sync():
     dev_cp.predict = types.MethodType(CodePredictor.predict.__wrapped__, dev_cp)
     mode = FakeDeviceMode()
     with mode:
-        talker = _fake_talker(dev_cp, module_to_device(copy.deepcopy(emb)),
-                              to_device(torch.zeros(V + 4, dtype=torch.bool)))
-        got = sampled_frame_codes(talker, req_ids, to_device(hidden), code0, valid, to_device(code0))
+        slots = TalkerSlots(H, V + 4, device="meta")
+        for rid in ("a", "b", "c"):
+            slots.add(rid, TalkerRequestState(prompt_len=3, trailing=torch.zeros(2, H), pad=torch.zeros(H)))
+        slots.prepare(req_ids, list(range(len(req_ids) + 1)))
+        got = sampled_frame_codes(slots, dev_cp, module_to_device(copy.deepcopy(emb)), req_ids,
+                                  to_device(hidden), to_device(code0), valid)
     assert mode.mixed == [], "ops mixed devices:\n" + "\n".join(mode.mixed)
     assert mode.syncs == [], f"device->host reads in the talker's step: {mode.syncs}"
     assert got.device.type == "meta" and torch.equal(to_host(got), want)
-    for rid in ("a", "c"):
-        st, ref = talker.states[rid], host_talker.states[rid]
-        assert st.residual_sum.device.type == "meta" and st.seen_ids.device.type == "meta"
-        assert torch.allclose(to_host(st.residual_sum), ref.residual_sum) and st.seen == ref.seen
-    assert talker.states["b"].residual_sum is None
+    for name in ("residual_sum", "has_residual", "frames", "seen"):
+        assert getattr(slots, name).device.type == "meta"
+        assert torch.allclose(to_host(getattr(slots, name)).float(), getattr(host_slots, name).float()), name
 
 
 def test_lazy_values_compare_and_read_like_lists_and_dicts():

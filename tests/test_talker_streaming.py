@@ -355,8 +355,7 @@ def streamed(omni):
         if talker.has_unfinished():
             _collect(talker.step(), codes, tick, first_code)
     assert not thinker.has_unfinished() and not talker.has_unfinished()
-    with talker._model.states_lock:
-        assert talker._model.states == {}, "per-request talker state left behind"
+    assert talker._model.slots.live() == [], "per-request talker state left behind"
     assert talker._builders == {} and talker._streaming == set()
     stream_codes = {rid: torch.stack(v) for rid, v in codes.items()}
     one_shot = _run_talker(talker, [dataclasses.replace(prepared[rid], conditioning=_cond(steps[rid]),
@@ -427,8 +426,7 @@ def test_a_request_waits_for_its_rows_and_resumes(omni, streamed):
     _step_until_idle(talker, codes)
     got = torch.stack(codes["held"])
     assert torch.equal(got, streamed["one_shot"][rid]), "holding changed the codes"
-    with talker._model.states_lock:
-        assert talker._model.states == {}
+    assert talker._model.slots.live() == []
 
 
 def test_abort_a_held_request(omni, streamed):
@@ -448,8 +446,7 @@ def test_abort_a_held_request(omni, streamed):
     assert not talker.abort(rid)
     talker.extend_request(rid, _cond(steps[rid][3:]), finished=True)  # no longer running: ignored
     assert not talker.has_unfinished() and talker.step() is None
-    with talker._model.states_lock:
-        assert talker._model.states == {}
+    assert talker._model.slots.live() == []
     assert talker._builders == {} and talker._streaming == set()
     assert talker._scheduler.get_num_unfinished_requests() == 0
     # the same id runs again, to the one-shot codes

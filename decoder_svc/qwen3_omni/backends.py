@@ -382,8 +382,7 @@ class TalkerBackend(VLLMBackend):
             top_p=self.sampling["code_predictor_top_p"],
             seed=int(spec.seed),
         )
-        with model.states_lock:
-            model.states[spec.request_id] = state
+        model.slots.add(spec.request_id, state)
         if not builder.complete:
             self._builders[spec.request_id] = builder
         return {"prompt_embeds": prompt_embeds}
@@ -439,12 +438,7 @@ class TalkerBackend(VLLMBackend):
             with torch.inference_mode():
                 builder.add(reply, rows.to(device), finished=finished)
                 new = builder.take()
-            with model.states_lock:
-                st = model.states.get(request_id)
-                if st is not None:
-                    if new.shape[0]:
-                        st.trailing = torch.cat((st.trailing, new))
-                    st.complete = builder.complete
+            model.slots.extend(request_id, new, builder.complete)
             if builder.complete:
                 self._builders.pop(request_id, None)
         if builder.complete:
@@ -454,30 +448,20 @@ class TalkerBackend(VLLMBackend):
 
     def _held_requests(self, candidates: list[tuple[str, int]]) -> set[str]:
         # decode step k of a request (position prompt_len + k) reads trailing[k]
-        held = set()
-        with self._model.states_lock:
-            for rid, position in candidates:
-                st = self._model.states.get(rid)
-                if st is not None and not st.complete and position - st.prompt_len >= st.trailing.shape[0]:
-                    held.add(rid)
-        return held
+        slots = self._model.slots
+        return {rid for rid, position in candidates if slots.held(rid, position)}
 
     # -- the step --------------------------------------------------------------------
     def _codes(
         self, cap: StepCapture, tokens: torch.Tensor, row_ok: torch.Tensor
     ) -> torch.Tensor:
-        # host ids/mask for the per-request bookkeeping, the sampler's own
-        # ids and the last hidden rows on the device for the code predictor
+        # the sampler's own ids and the last hidden rows, on the device;
+        # the rows' host mask is copied there without a sync
         return self._model.on_sampled(
-            cap.external_req_ids,
-            cap.last_hidden_per_request(),
-            tokens[:, 0],
-            row_ok,
-            cap.sampled_token_ids[:, 0],
+            cap.req_ids, cap.last_hidden_per_request(), cap.sampled_token_ids[:, 0], row_ok
         )
 
     def _forget(self, request_id: str) -> None:
         self._builders.pop(request_id, None)
-        if self._model is not None:
-            with self._model.states_lock:
-                self._model.states.pop(request_id, None)
+        if self._model is not None and self._model.slots is not None:
+            self._model.slots.remove(request_id)

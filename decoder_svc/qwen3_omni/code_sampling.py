@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["SamplingBatch", "draw", "group_keys", "plan", "sample", "uniforms"]
+__all__ = ["SamplingBatch", "candidate_count", "draw", "group_keys", "plan", "sample", "seed_words", "uniforms"]
 
 # -- counter-based noise ---------------------------------------------------------
 #
@@ -75,6 +75,24 @@ def uniforms(seed: torch.Tensor, frame: torch.Tensor, groups: torch.Tensor) -> t
     k = _mix32(k ^ ((frame >> 32) & _M32))
     h = _mix32(k[:, None] ^ groups[None, :])
     return (h >> 8).to(torch.float32) * _U24
+
+
+def seed_words(seed: int) -> tuple[int, int]:
+    """A seed (unsigned 64-bit) as its low and high 32-bit words (the ``seed`` rows of :func:`uniforms`)."""
+    return int(seed) & _M32, (int(seed) >> 32) & _M32
+
+
+def candidate_count(temperature: Sequence[float], top_k: Sequence[int], vocab_size: int) -> int:
+    """The static ``candidates`` of :func:`sample` for rows with these
+    settings (sequences or numpy arrays): 0 when every row is greedy, else a
+    power of two (at least 64) covering every sampled row's top-k, or the
+    whole vocabulary when a sampled row has none."""
+    sampled = [int(k) for t, k in zip(temperature, top_k, strict=True) if t > 0]
+    if not sampled:
+        return 0
+    if all(0 < k < vocab_size for k in sampled):
+        return min(vocab_size, max(64, 1 << (max(sampled) - 1).bit_length()))
+    return vocab_size
 
 
 # -- the sampler ------------------------------------------------------------------
@@ -169,7 +187,7 @@ class SamplingBatch:
     model's device, plus the static candidate count (see :func:`sample`).
 
     ``frame`` is the request's frame index: its count of frames predicted so
-    far, kept in the request's state (``TalkerRequestState.frames``)."""
+    far, kept per request by the talker (``TalkerSlots.frames``)."""
 
     temperature: torch.Tensor  # float32 [n]
     top_k: torch.Tensor  # int64 [n]
@@ -199,14 +217,8 @@ class SamplingBatch:
         for name, seq in (("top_k", top_k), ("top_p", top_p), ("seed", seed), ("frame", frame)):
             if len(seq) != n:
                 raise ValueError(f"{name}: {len(seq)} values for {n} rows")
-        sampled = [k for t, k in zip(temperature, top_k, strict=True) if t > 0]
-        if not sampled:
-            candidates = 0
-        elif all(0 < k < vocab_size for k in sampled):
-            candidates = min(vocab_size, max(64, 1 << (max(sampled) - 1).bit_length()))
-        else:
-            candidates = vocab_size
-        words = [(int(s) & _M32, (int(s) >> 32) & _M32) for s in seed]
+        candidates = candidate_count(temperature, top_k, vocab_size)
+        words = [seed_words(s) for s in seed]
 
         def put(values: Any, dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)

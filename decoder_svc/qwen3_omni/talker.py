@@ -14,11 +14,12 @@ as ``prompt_embeds`` (built by :mod:`.prompt`); the text embeddings may keep
 arriving while the request runs (a request started from the first chunk of
 the thinker's reply: :class:`TalkerRequestState` ``complete`` False).
 
-Per-request state (text queue, residual embedding sum, generated codes for
-the repetition penalty, the code predictor's sampling settings, seed and
-frame count) lives here,
-keyed by the request id the caller gave vLLM; rows are mapped to requests
-through the model runner's batch (``bind_runner``).
+Per-request state (text rows, the last frame's residual embedding sum, the
+codebook-0 ids sampled so far for the repetition penalty, the code
+predictor's sampling settings, seed and frame count) lives in tensors
+indexed by each request's slot (:mod:`.talker_slots`); the step reads and
+updates it with batched tensor ops, and each step's rows are mapped to slots
+once, before its forward (``bind_runner``).
 
 Weights come from the checkpoint by their released names (``talker.*``);
 ``thinker.*`` and ``code2wav.*`` are skipped. vLLM sees a talker config view
@@ -27,9 +28,7 @@ Weights come from the checkpoint by their released names (``talker.*``);
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import islice
 from typing import Any
 
@@ -37,7 +36,7 @@ import torch
 from torch import nn
 
 from .code_predictor import CodePredictor
-from .code_sampling import SamplingBatch
+from .talker_slots import TalkerRequestState, TalkerSlots
 
 __all__ = [
     "TALKER_ARCH",
@@ -85,95 +84,40 @@ def talker_config_view(config: Mapping[str, Any]) -> dict[str, Any]:
     return view
 
 
-@dataclass
-class TalkerRequestState:
-    """What the talker keeps per request between steps."""
-
-    prompt_len: int
-    trailing: torch.Tensor  # [N, H] projected text embeddings, one per step
-    pad: torch.Tensor  # [H] projected tts_pad embedding
-    # False while the thinker's reply is still arriving: steps past
-    # ``trailing`` wait for its rows (the backend holds the request) instead
-    # of reading ``pad``; ``trailing`` only grows meanwhile.
-    complete: bool = True
-    repetition_penalty: float = 1.0
-    temperature: float = 0.0  # code predictor
-    top_k: int = 0
-    top_p: float = 1.0
-    seed: int = 0  # the request's seed (unsigned 64-bit): the code predictor's noise key
-    # Frames whose residual codes were predicted: the frame index of the code
-    # predictor's counter-based noise, keyed by (seed, frame, codebook). It
-    # counts frames, not steps or batch rows, so the draws never depend on the
-    # batch. Under preemption with recompute, vLLM re-prefills the tokens
-    # already sampled without sampling them again, so no frame is predicted
-    # twice and the counter resumes where it stopped; a state rebuilt from
-    # scratch sets it to the number of frames the request already emitted.
-    frames: int = 0
-    residual_sum: torch.Tensor | None = None  # [H]: residual codes of the last frame
-    seen: set[int] = field(default_factory=set)  # codebook-0 ids sampled so far
-    seen_ids: torch.Tensor | None = None  # the same ids as a tensor, for the repetition penalty
-
-
 def sampled_frame_codes(
-    talker: Any,
+    slots: TalkerSlots,
+    code_predictor: CodePredictor,
+    codec_embedding: Any,
     req_ids: Sequence[str],
     last_hidden: torch.Tensor,
     code0: torch.Tensor,
     valid: torch.Tensor,
-    code0_device: torch.Tensor | None = None,
+    key: Callable[[str], str] | None = None,
 ) -> torch.Tensor:
     """The talker's step postprocess: codebooks 1..G-1 of the frame each row
     just sampled, and each request's state for the next step. Returns codes
     [n, G] int64 on ``last_hidden``'s device.
 
-    req_ids: external ids; last_hidden [n, H] (normalised, what
-    ``codec_head`` saw; on the model's device); code0 [n] and valid [n] bool:
-    host tensors (what the Python side decides from, without a device sync
-    per row); code0_device: the same ids on the model's device (default:
-    ``code0`` moved there). Rows that are invalid, end the speech (codec
-    eos) or have no state get zeros for the residual codes and update
-    nothing. ``talker`` is the talker model (``states``, ``states_lock``,
-    ``code_predictor``, ``model.codec_embedding``, ``_suppress``).
-    """
-    n = len(req_ids)
-    cp = talker.code_predictor
+    req_ids: the step's requests in batch order (``key``: to the ids the
+    slots know them by); last_hidden [n, H] (normalised, what ``codec_head``
+    saw); code0 [n]: the sampled codebook-0 ids; valid [n] bool: rows whose
+    id counts (host or device; copied to the device without a sync). Rows
+    that are invalid, end the speech (a control id past the codebook) or
+    have no slot get zeros for the residual codes and update nothing. Every
+    row goes through the code predictor (a fixed shape, no host decision per
+    row); a row's codes do not depend on the others'."""
+    cp = code_predictor
     dev = last_hidden.device
-    code0 = code0.reshape(-1)
-    if code0_device is None:
-        code0_device = code0.to(dev, non_blocking=True)
-    code0_device = code0_device.reshape(-1).to(torch.int64)
+    n = len(req_ids)
+    code0 = code0.reshape(-1).to(dev, torch.int64, non_blocking=True)
+    slot, sampling = slots.frame_rows(req_ids, cp.vocab_size, key)
+    ok = valid.reshape(-1).to(dev, non_blocking=True) & (slot > 0) & (code0 >= 0) & (code0 < cp.vocab_size)
+    safe = torch.where(ok, code0, 0)
+    residual, embed_sum = cp.predict(last_hidden, codec_embedding(safe), sampling)
     codes = torch.zeros((n, cp.num_groups), dtype=torch.int64, device=dev)
-    codes[:, 0] = code0_device
-    ids = code0.tolist()
-    ok = valid.tolist()
-    with talker.states_lock:
-        states = [talker.states.get(r) for r in req_ids]
-    rows = [i for i in range(n) if states[i] is not None and ok[i] and ids[i] < cp.vocab_size]
-    if not rows:
-        return codes
-    idx = torch.tensor(rows, dtype=torch.int64).to(dev, non_blocking=True)
-    sts = [states[i] for i in rows]
-    emb0 = talker.model.codec_embedding(code0_device.index_select(0, idx))
-    sampling = SamplingBatch.build(
-        temperature=[s.temperature for s in sts],
-        top_k=[s.top_k for s in sts],
-        top_p=[s.top_p for s in sts],
-        seed=[s.seed for s in sts],
-        frame=[s.frames for s in sts],
-        vocab_size=cp.vocab_size,
-        device=dev,
-    )
-    residual, embed_sum = cp.predict(last_hidden.index_select(0, idx), emb0, sampling)
-    codes[idx, 1:] = residual
-    seen_device = talker._suppress.device
-    with talker.states_lock:
-        for j, (i, st) in enumerate(zip(rows, sts, strict=True)):
-            st.residual_sum = embed_sum[j]
-            st.frames += 1
-            token = ids[i]
-            if token not in st.seen:  # the tensor changes only when a new id appears
-                st.seen.add(token)
-                st.seen_ids = torch.tensor(sorted(st.seen), dtype=torch.long).to(seen_device)
+    codes[:, 0] = code0
+    codes[:, 1:] = torch.where(ok[:, None], residual, 0)
+    slots.record(slot, ok, safe, embed_sum)
     return codes
 
 
@@ -295,29 +239,29 @@ def _build_classes():
             suppress[max(0, config.vocab_size - NUM_SUPPRESSED) :] = True
             suppress[self.codec_eos_token_id] = False
             self.register_buffer("_suppress", suppress, persistent=False)
-            self.states: dict[str, TalkerRequestState] = {}
-            self.states_lock = threading.Lock()
-            self._runner: Any = None
+            self.slots: TalkerSlots | None = None  # per-request state (bind_runner)
 
         # -- wiring -------------------------------------------------------------
         def bind_runner(self, runner: Any) -> None:
-            """The model runner whose batch maps rows to requests."""
-            self._runner = runner
+            """Serve requests through this model runner: the per-request
+            state store is created on the model's device, and each step's rows
+            are mapped to their requests' slots before its forward (the
+            runner's ``_preprocess``, which every step runs before the model,
+            outside any captured graph; it reads only host-side buffers)."""
+            self.slots = TalkerSlots(
+                self.config.hidden_size, self.vocab_size, device=self._suppress.device,
+                capacity=2 * int(getattr(runner, "max_num_reqs", 8)) + 1,
+            )
+            preprocess = runner._preprocess
 
-        def _batch(self) -> tuple[list[str], list[int]]:
-            """(external request ids in batch order, query_start_loc as a list),
-            from the runner's host-side buffers."""
-            r = self._runner
-            n = r.input_batch.num_reqs
-            return [_external_id(x) for x in r.input_batch.req_ids[:n]], r.query_start_loc.cpu[: n + 1].tolist()
+            def _preprocess(*args: Any, **kwargs: Any) -> Any:
+                ib = runner.input_batch
+                n = ib.num_reqs
+                self.slots.prepare(ib.req_ids[:n], runner.query_start_loc.cpu[: n + 1].tolist(),
+                                   key=_external_id)
+                return preprocess(*args, **kwargs)
 
-        def _computed(self, n: int) -> list[int]:
-            """Tokens in KV before this step, per batch row (host side). The
-            runner's positions are these plus the token's offset in the step
-            (``GPUModelRunner._prepare_inputs``; the device copy differs only
-            under asynchronous speculative decoding, which the talker never
-            runs), so no position is read back from the device."""
-            return self._runner.input_batch.num_computed_tokens_cpu[:n].tolist()
+            runner._preprocess = _preprocess
 
         # -- vLLM model interface ---------------------------------------------------
         def embed_input_ids(self, input_ids: torch.Tensor, *args, **kwargs) -> torch.Tensor:
@@ -326,58 +270,25 @@ def _build_classes():
         def forward(self, input_ids, positions, intermediate_tensors=None, inputs_embeds=None, **kwargs):
             if inputs_embeds is None:
                 inputs_embeds = self.embed_input_ids(input_ids)
-            if self._runner is not None and self.states:
-                inputs_embeds = self._add_step_inputs(inputs_embeds, positions)
+            if self.slots is not None:  # decode rows: + residual codes' embeddings + the step's text row
+                inputs_embeds = self.slots.step_inputs(inputs_embeds, positions)
             return self.model(positions, inputs_embeds)
-
-        def _add_step_inputs(self, embeds: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-            """Decode rows: + residual codes' embeddings + the step's text embedding."""
-            req_ids, qsl = self._batch()
-            computed = self._computed(len(req_ids))
-            rows: list[int] = []
-            extra: list[torch.Tensor] = []
-            with self.states_lock:
-                for i, rid in enumerate(req_ids):
-                    st = self.states.get(rid)
-                    if st is None or st.residual_sum is None:
-                        continue
-                    row = qsl[i + 1] - 1  # decode: one row per request
-                    step = computed[i] + (row - qsl[i]) - st.prompt_len  # == positions[row] - prompt_len
-                    if step < 0:
-                        continue
-                    text = st.trailing[step] if step < st.trailing.shape[0] else st.pad
-                    rows.append(row)
-                    extra.append(st.residual_sum + text)
-            if not rows:
-                return embeds
-            out = embeds.clone()
-            out[torch.tensor(rows, device=out.device)] += torch.stack(extra).to(out.dtype)
-            return out
 
         def compute_logits(self, hidden_states: torch.Tensor) -> torch.Tensor | None:
             logits = self.logits_processor(self.codec_head, hidden_states)
             if logits is None:
                 return None
             logits = logits.masked_fill(self._suppress[: logits.shape[-1]], float("-inf"))
-            if self._runner is None or not self.states:
-                return logits
-            req_ids, _ = self._batch()
-            with self.states_lock:
-                for i, rid in enumerate(req_ids[: logits.shape[0]]):
-                    st = self.states.get(rid)
-                    if st is None or st.repetition_penalty == 1.0 or st.seen_ids is None:
-                        continue
-                    ids = st.seen_ids
-                    score = logits[i, ids]
-                    p = st.repetition_penalty
-                    logits[i, ids] = torch.where(score < 0, score * p, score / p)
-            return logits
+            return logits if self.slots is None else self.slots.penalize(logits)
 
         # -- the code predictor, right after sampling (inside the step) ---------------
         def on_sampled(self, req_ids: Sequence[str], last_hidden: torch.Tensor, code0: torch.Tensor,
-                       valid: torch.Tensor, code0_device: torch.Tensor | None = None) -> torch.Tensor:
-            """Fill codebooks 1..G-1 for the rows just sampled (see :func:`sampled_frame_codes`)."""
-            return sampled_frame_codes(self, req_ids, last_hidden, code0, valid, code0_device)
+                       valid: torch.Tensor) -> torch.Tensor:
+            """Fill codebooks 1..G-1 for the rows just sampled (see :func:`sampled_frame_codes`;
+            ``req_ids``: the runner's ids)."""
+            assert self.slots is not None, "bind_runner() first"
+            return sampled_frame_codes(self.slots, self.code_predictor, self.model.codec_embedding, req_ids,
+                                       last_hidden, code0, valid, key=_external_id)
 
         # -- weights ---------------------------------------------------------------
         def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
