@@ -452,11 +452,8 @@ class TalkerBackend(VLLMBackend):
         return {rid for rid, position in candidates if slots.held(rid, position)}
 
     # -- the step --------------------------------------------------------------------
-    def _codes(
-        self, cap: StepCapture, tokens: torch.Tensor, row_ok: torch.Tensor
-    ) -> torch.Tensor:
-        # the sampler's own ids and the last hidden rows, on the device;
-        # the rows' host mask is copied there without a sync
+    def _codes(self, cap: StepCapture, row_ok: torch.Tensor) -> torch.Tensor:
+        # the sampler's own ids, the rows' mask and the last hidden rows, all on the device
         return self._model.on_sampled(
             cap.req_ids, cap.last_hidden_per_request(), cap.sampled_token_ids[:, 0], row_ok
         )

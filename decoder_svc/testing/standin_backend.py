@@ -45,12 +45,10 @@ class StandinBackend(VLLMBackend):
                 )
             self._cp_weight = cp.reshape(k1 * v, h).contiguous()
 
-    def _codes(
-        self, cap: StepCapture, tokens: torch.Tensor, row_ok: torch.Tensor
-    ) -> torch.Tensor:
+    def _codes(self, cap: StepCapture, row_ok: torch.Tensor) -> torch.Tensor:
         """Talker: all codebooks of the frame each row sampled, [n, K] int64
-        on the runner's device. ``tokens`` [n, 1] and ``row_ok`` [n] are the
-        host copies; device work reads the sampler's own ids."""
+        on the runner's device, from the sampler's own ids (``row_ok``: on
+        the device; every row is predicted, the caller keeps the valid ones)."""
         last = cap.last_hidden_per_request()  # [n, H], device
         n, dev = last.shape[0], last.device
         codes = torch.empty((n, self.num_codebooks), dtype=torch.int64, device=dev)

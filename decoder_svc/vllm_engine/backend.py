@@ -267,13 +267,12 @@ class VLLMBackend:
     def _after_engine(self) -> None:
         """Called once the engine is built (under the forward lock)."""
 
-    def _codes(
-        self, cap: StepCapture, tokens: torch.Tensor, row_ok: torch.Tensor
-    ) -> torch.Tensor:
+    def _codes(self, cap: StepCapture, row_ok: torch.Tensor) -> torch.Tensor:
         """Talker: all codebooks of the frame each row sampled, [n, K] int64
         on the runner's device (codebook 0 is the sampled id; the model's code
-        predictor fills the others). ``tokens`` [n, 1] and ``row_ok`` [n] are
-        the host copies; device work reads the sampler's own ids."""
+        predictor fills the others). ``row_ok`` [n] bool, on the runner's
+        device: the rows whose sampled id is kept. Called before the step's
+        sampled ids reach the host: nothing here may read a device value."""
         raise NotImplementedError(f"{type(self).__name__} has no code predictor")
 
     def _extra_outputs(self, cap: StepCapture) -> dict[str, torch.Tensor]:

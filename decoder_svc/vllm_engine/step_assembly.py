@@ -128,16 +128,16 @@ class Captured:
 
 
 def timed_codes(
-    codes_of: Callable[[StepCapture, torch.Tensor, torch.Tensor], torch.Tensor], stage: str
-) -> Callable[[StepCapture, torch.Tensor, torch.Tensor], torch.Tensor]:
+    codes_of: Callable[[StepCapture, torch.Tensor], torch.Tensor], stage: str
+) -> Callable[[StepCapture, torch.Tensor], torch.Tensor]:
     """`codes_of` (a talker's code predictor over the step's rows), its host
     time observed in ``omni_decoder_code_predictor_seconds{stage}``."""
     histogram = metrics.CODE_PREDICTOR_TIME.labels(stage)
 
-    def timed(cap: StepCapture, tokens: torch.Tensor, row_ok: torch.Tensor) -> torch.Tensor:
+    def timed(cap: StepCapture, row_ok: torch.Tensor) -> torch.Tensor:
         t0 = time.perf_counter()
         try:
-            return codes_of(cap, tokens, row_ok)
+            return codes_of(cap, row_ok)
         finally:
             histogram.observe(time.perf_counter() - t0)
 
@@ -148,7 +148,7 @@ def take_capture(
     cap: StepCapture,
     *,
     key: Any = None,
-    codes_of: Callable[[StepCapture, torch.Tensor, torch.Tensor], torch.Tensor] | None,
+    codes_of: Callable[[StepCapture, torch.Tensor], torch.Tensor] | None,
     extra: dict[str, torch.Tensor] | None,
     extra_of: Callable[[StepCapture], dict[str, torch.Tensor]],
     capture_hidden: bool,
@@ -157,10 +157,17 @@ def take_capture(
     """One captured step, detached from the runner's bookkeeping (module
     docstring). key: the step's SchedulerOutput (identity; default the
     capture's own); codes_of: the
-    talker's frame codes of each row (``(cap, tokens [n, 1], row_ok [n]) ->
-    [n, K]``; None: not a talker); extra: the per-token extras fetched with
+    talker's frame codes of each row (``(cap, row_ok [n] bool on the
+    runner's device) -> [n, K]``, called before the sampled ids are copied
+    to the host, so that its device work is queued ahead of that copy;
+    None: not a talker; one token per row); extra: the per-token extras fetched with
     the capture, else ``extra_of(cap)``; capture_hidden / copy_hidden: keep
     the hidden rows, and take the one copy of them."""
+    codes = None
+    if codes_of is not None:
+        dev_sampled = cap.sampled_token_ids
+        kept = (~cap.discard_mask.to(torch.bool)).to(dev_sampled.device, non_blocking=True)
+        codes = codes_of(cap, kept & (dev_sampled[:, 0] >= 0))
     sampled = cap.sampled_token_ids.to("cpu", torch.int64, copy=True)
     n, s = sampled.shape
     if s == 1:
@@ -172,7 +179,6 @@ def take_capture(
         row_ok = (~cap.discard_mask.to(torch.bool)) & (nvalid > 0)
         tokens = sampled.gather(1, (nvalid - 1).clamp(min=0)[:, None])
         accepted = sampled
-    codes = codes_of(cap, tokens, row_ok) if codes_of is not None else None
     hidden = None
     if capture_hidden:
         hidden = cap.hidden_states
