@@ -397,7 +397,7 @@ def _slots(cp: CodePredictor, emb: torch.nn.Embedding, rids: list[str], seeds: l
 def _frame(slots: TalkerSlots, cp: CodePredictor, emb: torch.nn.Embedding, ids: list[str], hidden: torch.Tensor,
            code0: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """One step's frame postprocess, the step's rows prepared first (as the talker's runner does)."""
-    slots.prepare(ids, list(range(len(ids) + 1)))
+    slots.prepare(ids, list(range(len(ids) + 1)), [3] * len(ids))  # decode rows
     return sampled_frame_codes(slots, cp, emb, ids, hidden, code0, valid)
 
 
@@ -426,7 +426,7 @@ def test_talker_frames_depend_on_the_requests_seed_and_frame_count_alone():
         got = _frame(crowd, cp, emb, ids, hidden, code0, valid)
         assert torch.equal(got[at], want[f]), f"frame {f}: {got[at].tolist()} alone {want[f].tolist()}"
         expected = want_sum(cp, want[f])
-        assert torch.equal(crowd.residual_sum[x_slot], expected), f"frame {f}: residual sums differ"
+        assert torch.equal(crowd.frame_residual(x_slot, f), expected), f"frame {f}: residual sums differ"
         if at != 0:
             assert torch.equal(got[0, 1:], torch.zeros_like(got[0, 1:])), "an invalid row's residual codes are zero"
     assert crowd.frames[x_slot].item() == 3

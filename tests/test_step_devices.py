@@ -214,7 +214,7 @@ def _slots(req_ids: list[str]) -> TalkerSlots:
     slots = TalkerSlots(H, V + 4)
     for rid in ("a", "b", "c"):
         slots.add(rid, TalkerRequestState(prompt_len=3, trailing=torch.zeros(2, H), pad=torch.zeros(H)))
-    slots.prepare(req_ids, list(range(len(req_ids) + 1)))
+    slots.prepare(req_ids, list(range(len(req_ids) + 1)), [3] * len(req_ids))
     return slots
 
 
@@ -231,8 +231,9 @@ def test_talker_frame_codes_run_on_the_models_device_without_a_sync():
     assert want[1, 1:].tolist() == [0] * (K - 1) and want[3, 1:].tolist() == [0] * (K - 1)
     ref_codes, ref_sum = cp.predict(hidden[[0, 2]], emb(code0[[0, 2]]), SamplingBatch.greedy(2))
     assert torch.equal(want[[0, 2], 1:], ref_codes)
-    assert host_slots.frames[1:4].tolist() == [1, 0, 1] and host_slots.has_residual[1:4].tolist() == [True, False, True]
-    assert torch.equal(host_slots.residual_sum[[1, 3]], ref_sum)
+    assert host_slots.frames[1:4].tolist() == [1, 0, 1]
+    assert torch.equal(host_slots.frame_residual(1, 0), ref_sum[0])
+    assert torch.equal(host_slots.frame_residual(3, 0), ref_sum[1])
 
     dev_cp = module_to_device(copy.deepcopy(cp))
     # the fake device's wrapper tensors cannot be viewed under inference mode:
@@ -243,15 +244,16 @@ def test_talker_frame_codes_run_on_the_models_device_without_a_sync():
         slots = TalkerSlots(H, V + 4, device="meta")
         for rid in ("a", "b", "c"):
             slots.add(rid, TalkerRequestState(prompt_len=3, trailing=torch.zeros(2, H), pad=torch.zeros(H)))
-        slots.prepare(req_ids, list(range(len(req_ids) + 1)))
+        slots.prepare(req_ids, list(range(len(req_ids) + 1)), [3] * len(req_ids))
         got = sampled_frame_codes(slots, dev_cp, module_to_device(copy.deepcopy(emb)), req_ids,
                                   to_device(hidden), to_device(code0), valid)
     assert mode.mixed == [], "ops mixed devices:\n" + "\n".join(mode.mixed)
     assert mode.syncs == [], f"device->host reads in the talker's step: {mode.syncs}"
     assert got.device.type == "meta" and torch.equal(to_host(got), want)
-    for name in ("residual_sum", "has_residual", "frames", "seen"):
+    for name in ("frames", "seen"):
         assert getattr(slots, name).device.type == "meta"
-        assert torch.allclose(to_host(getattr(slots, name)).float(), getattr(host_slots, name).float()), name
+        assert torch.equal(to_host(getattr(slots, name)), getattr(host_slots, name)), name
+    assert torch.allclose(to_host(slots.residual.data), host_slots.residual.data)
 
 
 def test_lazy_values_compare_and_read_like_lists_and_dicts():

@@ -257,8 +257,8 @@ def _build_classes():
             def _preprocess(*args: Any, **kwargs: Any) -> Any:
                 ib = runner.input_batch
                 n = ib.num_reqs
-                self.slots.prepare(ib.req_ids[:n], runner.query_start_loc.cpu[: n + 1].tolist(),
-                                   key=_external_id)
+                self.slots.prepare(ib.req_ids[:n], runner.query_start_loc.np[: n + 1],
+                                   ib.num_computed_tokens_cpu[:n], key=_external_id)
                 return preprocess(*args, **kwargs)
 
             runner._preprocess = _preprocess
