@@ -14,8 +14,8 @@ as ``prompt_embeds`` (built by :mod:`.prompt`); the text embeddings may keep
 arriving while the request runs (a request started from the first chunk of
 the thinker's reply: :class:`TalkerRequestState` ``complete`` False).
 
-Per-request state (text rows, the last frame's residual embedding sum, the
-codebook-0 ids sampled so far for the repetition penalty, the code
+Per-request state (text rows and every frame's residual embedding sum, by
+position, the codebook-0 ids sampled so far for the repetition penalty, the code
 predictor's sampling settings, seed and frame count) lives in tensors
 indexed by each request's slot (:mod:`.talker_slots`); the step reads and
 updates it with batched tensor ops, and each step's rows are mapped to slots
@@ -247,7 +247,11 @@ def _build_classes():
             state store is created on the model's device, and each step's rows
             are mapped to their requests' slots before its forward (the
             runner's ``_preprocess``, which every step runs before the model,
-            outside any captured graph; it reads only host-side buffers)."""
+            outside any captured graph; it reads only host-side buffers).
+            vLLM internals used (pinned version; re-check on an upgrade):
+            ``runner._preprocess``, ``runner.max_num_reqs``,
+            ``input_batch.num_reqs`` / ``req_ids`` /
+            ``num_computed_tokens_cpu`` and ``query_start_loc.np``."""
             self.slots = TalkerSlots(
                 self.config.hidden_size, self.vocab_size, device=self._suppress.device,
                 capacity=2 * int(getattr(runner, "max_num_reqs", 8)) + 1,
