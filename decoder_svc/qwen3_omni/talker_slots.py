@@ -67,10 +67,10 @@ import torch
 
 from .code_sampling import SamplingBatch, candidate_count, seed_words
 
-__all__ = ["TalkerRequestState", "TalkerSlots"]
+__all__ = ["RowPool", "TalkerRequestState", "TalkerSlots"]
 
 _NO_PROMPT = 2**62  # the sentinel's prompt length: every position is before it
-_MIN_REGION = 32  # rows of a new text region
+_MIN_REGION = 32  # rows of a new region (text or frames)
 
 
 @dataclass
