@@ -82,13 +82,23 @@ def _cmd_models_create(args: argparse.Namespace) -> int:
 def _cmd_models_check(args: argparse.Namespace) -> int:
     from decoder_svc.qwen3_omni.checkpoint import CheckpointError, OmniCheckpoint
 
+    from decoder_svc.qwen3_omni.views import TALKER_PREFIX, check_view, talker_view
+
     try:
         ckpt = OmniCheckpoint.open(args.dir)
+        # the view the decoder's talker loads, built and checked as the decoder builds it
+        view = talker_view(ckpt)
+        check_view(view, ckpt, TALKER_PREFIX)
     except CheckpointError as exc:
         print(f"omni-serving models check: {exc}", file=sys.stderr)
         return 1
+    except OSError as exc:
+        print(f"omni-serving models check: cannot write the talker's view into the model cache: {exc}",
+              file=sys.stderr)
+        return 1
     for label, value in _checkpoint_summary(ckpt):
         print(f"{label + ':':<12} {value}")
+    print(f"{'talker view:':<12} {view.path} ({len(view.shards)} shards, {view.tensors} tensors)")
     return 0
 
 

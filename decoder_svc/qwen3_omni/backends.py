@@ -28,11 +28,8 @@ alignment, row selection, snapshots) with the model-specific parts:
 
 from __future__ import annotations
 
-import json
 import logging
-import os
 import threading
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -44,10 +41,10 @@ from decoder_svc.vllm_engine.capture import StepCapture, add_worker_extra, is_ca
 from decoder_svc.vllm_engine.engine_factory import get_model_runner, runs_in_process
 from omni_common.errors import FailedPreconditionError, InvalidArgumentError
 
-from .cache import derived_dir
 from .checkpoint import OmniCheckpoint
 from .prompt import TalkerIds, TalkerPromptBuilder
-from .talker import TalkerRequestState, register, talker_config_view
+from .talker import TalkerRequestState, register
+from .views import talker_view
 
 log = logging.getLogger(__name__)
 
@@ -199,31 +196,6 @@ class ThinkerBackend(VLLMBackend):
         super().close()
 
 
-def _talker_view(checkpoint: OmniCheckpoint) -> Path:
-    """A directory vLLM can load the talker from: config view + links to the
-    checkpoint's weight files (the checkpoint itself is never written)."""
-    view = derived_dir(checkpoint, "talker-vllm")
-    want = json.dumps(talker_config_view(checkpoint.config), indent=2, sort_keys=True) + "\n"
-    cfg_path = view / "config.json"
-    if not cfg_path.is_file() or cfg_path.read_text() != want:
-        tmp = view / f".config.json.{os.getpid()}"
-        tmp.write_text(want)
-        os.replace(tmp, cfg_path)
-    files = [p.name for p in checkpoint.shard_files("talker.")]
-    index = checkpoint.path / "model.safetensors.index.json"
-    if index.is_file():
-        files.append(index.name)
-    for name in files:
-        link = view / name
-        target = checkpoint.path / name
-        if link.is_symlink() and os.readlink(link) == str(target):
-            continue
-        if link.exists() or link.is_symlink():
-            link.unlink()
-        link.symlink_to(target)
-    return view
-
-
 class TalkerBackend(VLLMBackend):
     """The Qwen3-Omni talker on vLLM (see the module docstring)."""
 
@@ -287,7 +259,7 @@ class TalkerBackend(VLLMBackend):
     def _configure(self, role: str | None) -> None:
         talker = self.checkpoint.talker_config
         text = talker["text_config"]
-        self.engine_dir = _talker_view(self.checkpoint)
+        self.engine_dir = talker_view(self.checkpoint).path
         self.role = "talker"
         self.hidden_size = int(text["hidden_size"])
         self.vocab_size = int(text["vocab_size"])
