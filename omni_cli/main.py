@@ -81,7 +81,6 @@ def _cmd_models_create(args: argparse.Namespace) -> int:
 
 def _cmd_models_check(args: argparse.Namespace) -> int:
     from decoder_svc.qwen3_omni.checkpoint import CheckpointError, OmniCheckpoint
-
     from decoder_svc.qwen3_omni.views import TALKER_PREFIX, check_view, talker_view
 
     try:
