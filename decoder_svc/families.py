@@ -14,7 +14,8 @@ module may need torch and vLLM):
 
   - ``build_engine(profile, model, *, max_num_seqs, launch=None) ->
     EngineParts``: open the model (``""``: the family's default) and build
-    the AR stages' backends in this process, or, with ``launch``, start the
+    the AR stages' backends in this process (``max_num_seqs``: None, or a
+    caller's value over the stages' engine settings, ``StageConfig.engine``), or, with ``launch``, start the
     stage processes (``launch(checkpoint path)``, see
     ``decoder_svc.stage.proxy``) and use them; plus the vocoder and the
     request preparation. A model the family cannot serve raises

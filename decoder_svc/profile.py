@@ -6,13 +6,22 @@ given as a path. docs/profiles.md documents every key.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import yaml
 
+from decoder_svc.engine_settings import (
+    ENV_VAR,
+    EngineSettings,
+    apply_overrides,
+    env_overrides,
+    parse_settings,
+)
 from omni_common.errors import InvalidArgumentError
 from omni_serving.v1 import materializer_pb2
 
@@ -89,6 +98,9 @@ class StageConfig:
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
     distributed_executor_backend: str = ""  # "" = vLLM's own choice
+    # An AR stage's engine settings (its `engine:` mapping, then the
+    # deployment's overrides: decoder_svc.engine_settings)
+    engine: EngineSettings = field(default_factory=EngineSettings)
 
     def engine_args(self) -> dict[str, Any]:
         """The stage's vLLM parallelism arguments (``EngineArgs`` names)."""
@@ -157,6 +169,17 @@ class Profile:
         previous AR stage's output (``async_chunk`` and the stage's
         ``input_chunk_ramp``)."""
         return self.async_chunk and bool(stage.input_chunk_ramp)
+
+    def with_engine_overrides(self, overrides: list[tuple[str, str, str]], source: str) -> Profile:
+        """This profile with `overrides` ((stage or "", key, value), from
+        ``decoder_svc.engine_settings.parse_overrides``) applied to its AR
+        stages' engine settings, checked; `source` names them in errors."""
+        if not overrides:
+            return self
+        settings = apply_overrides({s.name: s.engine for s in self.ar_stages}, overrides, source)
+        stages = tuple(dataclasses.replace(s, engine=settings[s.name]) if s.kind == "ar" else s
+                       for s in self.stages)
+        return dataclasses.replace(self, stages=stages)
 
     def stage(self, name: str) -> StageConfig:
         for s in self.stages:
@@ -261,7 +284,7 @@ def _stage_from_dict(i: int, raw: dict[str, Any]) -> StageConfig:
             f"stage {raw['name']}: must be one of {EXECUTOR_BACKENDS} (or left unset), got {backend!r}",
         )
     if raw["kind"] != "ar":
-        for key in PARALLEL_KEYS:
+        for key in (*PARALLEL_KEYS, "engine"):
             if key in raw:
                 raise InvalidArgumentError(
                     f"{where}.{key}", f"stage {raw['name']}: only AR stages run on vLLM"
@@ -287,6 +310,8 @@ def _stage_from_dict(i: int, raw: dict[str, Any]) -> StageConfig:
         values["input_chunk_ramp"], values["input_chunk_tokens"] = _input_chunks(where, raw)
     if "first_chunk_by_load" in values:
         values["first_chunk_by_load"] = _first_chunk_by_load(where, raw)
+    if "engine" in values:
+        values["engine"] = parse_settings(values["engine"], f"{where}.engine")
     return StageConfig(**values)
 
 
@@ -354,8 +379,10 @@ def _input_chunks(where: str, raw: dict[str, Any]) -> tuple[tuple[int, ...], int
     return tuple(int(x) for x in ramp), int(raw["input_chunk_tokens"])
 
 
-def load_profile(name_or_path: str) -> Profile:
-    """Load a shipped profile by name ("tts", "omni") or a YAML file by path."""
+def load_profile(name_or_path: str, *, environ: Mapping[str, str] | None = None) -> Profile:
+    """Load a shipped profile by name ("tts", "omni") or a YAML file by path,
+    with the engine settings of ``OMNI_ENGINE_SET`` in `environ` (default:
+    this process's environment) applied over its own."""
     path = Path(name_or_path)
     if not path.suffix:
         path = PROFILE_DIR / f"{name_or_path}.yaml"
@@ -387,9 +414,10 @@ def load_profile(name_or_path: str) -> Profile:
         )
         if refused is not None:
             raise refused
-    return Profile(
+    profile = Profile(
         name=str(raw.get("name", path.stem)),
         async_chunk=bool(raw.get("async_chunk", True)),
         default_modalities=str(raw.get("default_modalities", "audio")),
         stages=stages,
     )
+    return profile.with_engine_overrides(env_overrides(environ), ENV_VAR)

@@ -22,6 +22,8 @@ import os
 import grpc
 
 from decoder_svc import families, lengths
+from decoder_svc.engine_settings import ENV_VAR, parse_overrides
+from decoder_svc.engine_settings import KEYS as ENGINE_KEYS
 from decoder_svc.pipeline import Pipeline
 from decoder_svc.profile import available_profiles, load_profile
 from decoder_svc.servicer import DecoderServicer
@@ -74,7 +76,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "(default 3)")
     p.add_argument("--in-process-builder", action="store_true",
                    help="without --materializer: build payloads on a background thread (the in-process baseline)")
-    p.add_argument("--max-num-seqs", type=int, default=64, help="max requests per decode step")
+    p.add_argument("--max-num-seqs", type=int, default=None,
+                   help="max requests per decode step, every AR stage (the same as --engine-set max_num_seqs=N; "
+                        "default: the profile's engine settings, 64)")
+    p.add_argument("--engine-set", action="append", default=[], metavar="[STAGE.]KEY=VALUE",
+                   help="an engine setting of one AR stage (STAGE.KEY) or of every one (KEY), over the profile's "
+                        f"and ${ENV_VAR}'s (comma-separated items); repeatable. Keys: {', '.join(ENGINE_KEYS)} "
+                        "(docs/profiles.md, \"Engine settings\")")
     p.add_argument("--default-audio-seconds", type=float,
                    default=_env_float("OMNI_DEFAULT_AUDIO_SECONDS"),
                    help=f"audio cap of a request that sets no max_audio_seconds "
@@ -171,6 +179,14 @@ def code2wav_workers(args: argparse.Namespace, cores: int | None = None) -> int:
     return value
 
 
+def deployed_profile(args: argparse.Namespace):
+    """The profile with the deployment's engine settings: ``OMNI_ENGINE_SET``
+    (applied by load_profile), then ``--max-num-seqs`` and ``--engine-set``."""
+    items = [f"max_num_seqs={args.max_num_seqs}"] if args.max_num_seqs is not None else []
+    items += list(args.engine_set)
+    return load_profile(args.profile).with_engine_overrides(parse_overrides(items, "--engine-set"), "--engine-set")
+
+
 def stage_processes_on(args: argparse.Namespace) -> bool:
     mode = getattr(args, "stage_processes", "off")
     return mode == "on" or (mode == "auto" and args.engine == "vllm")
@@ -184,7 +200,6 @@ def _launch_stage_processes(args: argparse.Namespace, profile, model: str) -> di
         profile,
         engine="fake" if args.engine in ("fake", "reference") else "vllm",
         model=model,
-        max_num_seqs=args.max_num_seqs,
         shm_prefix=shm_prefix_for(args.deployment),
         arena_slots=args.arena_slots,
         arena_slot_bytes=args.arena_slot_bytes,
@@ -220,7 +235,7 @@ def build_engine(args: argparse.Namespace, profile) -> tuple[dict, dict]:
         def launch(model: str) -> dict:
             return _launch_stage_processes(args, profile, model)
     try:
-        parts = impl.build_engine(profile, args.model, max_num_seqs=args.max_num_seqs, launch=launch)
+        parts = impl.build_engine(profile, args.model, max_num_seqs=None, launch=launch)
     except families.UnservableModel as exc:
         logger.error("cannot serve the model: %s", exc)
         raise SystemExit(f"decoder: cannot serve the model: {exc}") from exc
@@ -236,9 +251,9 @@ def main(argv: list[str] | None = None) -> None:
         limits = stall_limits(args)
         materializer_stall_timeout(args)
         workers = code2wav_workers(args)
+        profile = deployed_profile(args)
     except InvalidArgumentError as exc:
         raise SystemExit(f"decoder: {exc}") from exc
-    profile = load_profile(args.profile)
     # its own series and its stage processes' (decoder_svc.stage.proxy forwards them)
     start_metrics_server(args.metrics_port, args.metrics_host, MergedRegistry(FORWARDED))
     prefix = shm_prefix_for(args.deployment)

@@ -160,6 +160,8 @@ def service_commands(
             decoder_args += ["--materializer", mat_sock]
         if cfg.model:
             decoder_args += ["--model", cfg.model]
+        for item in cfg.engine_set_items():
+            decoder_args += ["--engine-set", item]
         decoder = ServiceProcess(
             "decoder" + suffix,
             decoder_args + list(cfg.extra_decoder_args),

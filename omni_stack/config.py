@@ -74,6 +74,9 @@ class StackConfig:
     auth_token_file: str = ""
     allowed_origins: str = ""  # comma-separated origins; passed as --allowed-origins
     extra_decoder_args: list[str] = field(default_factory=list)
+    # AR stages' engine settings over the profile's: "[STAGE.]KEY=VALUE" items,
+    # comma-separated, each passed to the decoder as --engine-set
+    engine_set: str = ""
     # Decoder + materializer pairs behind the one gateway (see replica_layout).
     replicas: int = 1
     # Rolling restart: seconds a replaced materializer may take to exit after
@@ -135,6 +138,20 @@ class StackConfig:
                 raise ConfigError(f"{key}: must not be empty")
         if self.replicas > 1:
             self._check_replica_ports()
+        self.engine_set_items()
+
+    def engine_set_items(self) -> list[str]:
+        """`engine_set`'s items, checked (key names and form; values are
+        checked by the decoder, against its profile's stages)."""
+        from decoder_svc.engine_settings import parse_overrides
+        from omni_common.errors import InvalidArgumentError
+
+        items = [item.strip() for item in self.engine_set.split(",") if item.strip()]
+        try:
+            parse_overrides(items, "engine_set")
+        except InvalidArgumentError as exc:
+            raise ConfigError(str(exc)) from exc
+        return items
 
     def _check_replica_ports(self) -> None:
         """With several replicas the fixed metrics ports are offset per replica:
@@ -307,6 +324,14 @@ UP_OPTIONS: tuple[UpOption, ...] = (
         str,
         "gateway: file holding the bearer token clients must send, passed as --auth-token-file",
         metavar="FILE",
+    ),
+    UpOption(
+        "engine_set",
+        str,
+        "AR stages' engine settings over the profile's: [STAGE.]KEY=VALUE items, comma-separated "
+        "(e.g. talker.kv_cache_memory=2GiB,dtype=float32), passed to the decoder as --engine-set "
+        "(docs/profiles.md, \"Engine settings\")",
+        metavar="ITEMS",
     ),
     UpOption(
         "allowed_origins",

@@ -1,5 +1,6 @@
 """Test session setup and fixtures shared by several test files."""
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -9,6 +10,11 @@ from fakes import FakeDecoder, remove_dir, short_socket_dir
 from omni_common import torchvision_compat
 
 torchvision_compat.install()  # the torchvision shim, before transformers loads
+
+# Engines in float32 (decoder_svc/engine_settings.py): dtype auto is bfloat16
+# on processors that have it, and the parity checks compare float32 runs.
+# Inherited by every service a test starts.
+os.environ.setdefault("OMNI_ENGINE_SET", "dtype=float32")
 
 
 @pytest.fixture

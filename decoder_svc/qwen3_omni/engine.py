@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from decoder_svc.backend import RequestSpec
+from decoder_svc.engine_settings import EffectiveSettings, resolve
 from decoder_svc.profile import Profile
 from omni_common.errors import InvalidArgumentError
 from omni_common.materialize import sources_of
@@ -115,36 +116,79 @@ class Qwen3OmniEngine:
             b.close()
 
 
+# Why the talker's engine runs in float32 (engine setting dtype)
+TALKER_FLOAT32_ONLY = ("the talker's input rows, code predictor and frame bookkeeping compute in float32 "
+                       "only yet (a bfloat16 talker model would mix dtypes)")
+# Why a stage cannot prefill a prompt in chunks yet (engine setting enable_chunked_prefill)
+CHUNKED_PREFILL_REFUSED = {
+    "talker": "chunked prefill is not supported for the talker yet (a prompt is prefilled in one step: "
+              "vLLM's CPU runner cannot rewind a seeded request's generator for a partial prefill)",
+    "thinker": "chunked prefill is not supported for a thinker that feeds the talker yet (every prompt row "
+               "goes to the talker; a partial prefill's rows are not captured)",
+}
+
+
+def stage_settings(checkpoint: OmniCheckpoint, stage, *, platform: str | None = None,
+                   **given: Any) -> EffectiveSettings:
+    """The engine settings `stage` is built with on `checkpoint`: its
+    profile's (with the deployment's overrides) and `given` (keyword
+    arguments of a caller: max_num_seqs, max_model_len), resolved against the
+    checkpoint and the platform (``decoder_svc.engine_settings.resolve``)."""
+    role = stage.engine_role or stage.name
+    settings = dataclasses.replace(stage.engine, **{k: v for k, v in given.items() if v is not None})
+    cfg = checkpoint.thinker_config if role == "thinker" else checkpoint.talker_config
+    text = cfg["text_config"]
+    heads = int(text["num_attention_heads"])
+    head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // heads)
+    kv_elements = 2 * int(text["num_hidden_layers"]) * int(text.get("num_key_value_heads") or heads) * head_dim
+    dtype = (text.get("torch_dtype") or text.get("dtype") or cfg.get("torch_dtype")
+             or checkpoint.config.get("torch_dtype") or checkpoint.config.get("dtype") or "bfloat16")
+    refusal = ""
+    if role == "talker" or (role == "thinker" and _feeds_talker(stage)):
+        refusal = CHUNKED_PREFILL_REFUSED[role]
+    if platform is None:
+        from decoder_svc.vllm_engine.engine_factory import engine_platform
+
+        platform = engine_platform()
+    eff = resolve(settings, stage=stage.name, platform=platform, checkpoint_dtype=str(dtype),
+                  checkpoint_context=int(text["max_position_embeddings"]), kv_elements_per_token=kv_elements,
+                  chunked_prefill_refusal=refusal, float32_only=TALKER_FLOAT32_ONLY if role == "talker" else "")
+    for note in eff.notes:
+        log.info("stage %s: %s", stage.name, note)
+    return eff
+
+
+def _feeds_talker(stage) -> bool:
+    return bool(sources_of(stage.plan()) & {THINKER_EMBED, THINKER_HIDDEN})
+
+
 def build_stage_backend(
     checkpoint: OmniCheckpoint,
     stage,
     *,
-    max_num_seqs: int = 32,
+    max_num_seqs: int | None = None,
     seed: int = 0,
-    max_model_len: int = 2048,
+    max_model_len: int | None = None,
     **backend_kwargs: Any,
 ):
     """One AR stage's backend (its vLLM engine) on an opened checkpoint: what
     :func:`build_engine` builds per stage, and what a stage process builds
-    for its own stage (``decoder_svc.stage.host``)."""
+    for its own stage (``decoder_svc.stage.host``). Its engine settings:
+    :func:`stage_settings` (`max_num_seqs`, `max_model_len`: over the
+    stage's own when given)."""
     role = stage.engine_role or stage.name
+    settings = stage_settings(checkpoint, stage, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
     common = dict(
         name=stage.name,
-        max_num_seqs=max_num_seqs,
         seed=seed,
         async_scheduling=stage.async_scheduling,
         enable_prefix_caching=stage.enable_prefix_caching,
-        max_model_len=max_model_len,
+        engine_settings=settings,
         # the stage's parallelism, unless given
         **{**stage.engine_args(), **backend_kwargs},
     )
     if role == "thinker":
-        wants = sources_of(stage.plan())
-        return ThinkerBackend(
-            checkpoint,
-            capture_talker_inputs=bool(wants & {THINKER_EMBED, THINKER_HIDDEN}),
-            **common,
-        )
+        return ThinkerBackend(checkpoint, capture_talker_inputs=_feeds_talker(stage), **common)
     if role == "talker":
         return TalkerBackend(checkpoint, **common)
     raise InvalidArgumentError(
@@ -173,9 +217,11 @@ def _speakers(checkpoint: OmniCheckpoint) -> tuple[str, ...]:
     return tuple(str(k).lower() for k in checkpoint.talker_config["speaker_id"])
 
 
-def build_front(profile: Profile, model: str | Path | None = None, *, max_model_len: int = 2048) -> EngineFront:
+def build_front(profile: Profile, model: str | Path | None = None, *, max_model_len: int = 0) -> EngineFront:
     """Open the checkpoint (default: the tiny one in the model cache, created
-    on first use) and build the vocoder and the prompts, no engine."""
+    on first use) and build the vocoder and the prompts, no engine. The
+    prompts' context is the first AR stage's (``prompts.max_model_len``: set
+    it once the stage says its effective one; 0 until then)."""
     checkpoint = OmniCheckpoint.open(Path(model) if model else default_model_dir())
     log.info("serving %s (%s)", checkpoint.path, checkpoint.config.get("architectures"))
     first = profile.ar_stages[0]
@@ -191,13 +237,14 @@ def build_engine(
     profile: Profile,
     model: str | Path | None = None,
     *,
-    max_num_seqs: int = 32,
+    max_num_seqs: int | None = None,
     seed: int = 0,
-    max_model_len: int = 2048,
+    max_model_len: int | None = None,
     **backend_kwargs: Any,
 ) -> Qwen3OmniEngine:
     """Open the checkpoint (default: the tiny one in the model cache, created
-    on first use) and build one backend per AR stage of the profile."""
+    on first use) and build one backend per AR stage of the profile (with
+    its engine settings; `max_num_seqs` and `max_model_len` win when given)."""
     path = Path(model) if model else default_model_dir()
     checkpoint = OmniCheckpoint.open(path)
     log.info("serving %s (%s)", checkpoint.path, checkpoint.config.get("architectures"))
@@ -209,7 +256,7 @@ def build_engine(
                 **backend_kwargs,
             )
         vocoder = NeuralVocoder(str(checkpoint.path), _speakers(checkpoint), checkpoint=checkpoint)
-        prompts = ChatPrompts(checkpoint, max_model_len=max_model_len)
+        prompts = ChatPrompts(checkpoint, max_model_len=backends[profile.ar_stages[0].name].max_model_len)
     except BaseException:
         for b in backends.values():
             b.close()

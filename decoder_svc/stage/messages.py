@@ -66,7 +66,7 @@ class StageHostSpec:
     stage: str  # the stage's name in the profile
     engine: str = "vllm"  # "vllm" | "fake"
     model: str = ""  # checkpoint directory ("": the tiny one in the model cache)
-    max_num_seqs: int = 64
+    max_num_seqs: int | None = None  # over the stage's engine settings when set
     shm_prefix: str = "omni-default"
     arena_slots: int = 16
     arena_slot_bytes: int = 4 * 2**20

@@ -27,7 +27,7 @@ def build_engine(
         backends = launch("")
     else:
         backends = {
-            s.name: FakeBackend(role=s.engine_role or s.name, max_num_seqs=max_num_seqs)
+            s.name: FakeBackend(role=s.engine_role or s.name, max_num_seqs=max_num_seqs or s.engine.max_num_seqs)
             for s in profile.ar_stages
         }
     return EngineParts(backends, fake_vocoder(profile, backends[profile.ar_stages[-1].name]))
@@ -36,5 +36,5 @@ def build_engine(
 def build_stage_backend(spec):
     """One AR stage's fake backend (a stage process's; ``spec``: its StageHostSpec)."""
     config = spec.config
-    kwargs = {"role": config.engine_role or config.name, "max_num_seqs": spec.max_num_seqs, **spec.fake_kwargs}
+    kwargs = {"role": config.engine_role or config.name, "max_num_seqs": spec.max_num_seqs or config.engine.max_num_seqs, **spec.fake_kwargs}
     return call_factory(spec.fake_factory or DEFAULT_FACTORY, kwargs, "fake_factory")

