@@ -366,6 +366,14 @@ class Pipeline:
                 return tuple(s.arena_info)
         return None
 
+    def _engine_settings(self, stage: str) -> dict[str, str]:
+        facts = getattr(self.backends[stage], "engine_facts", None)
+        try:
+            settings = facts().get("engine_settings", {}) if callable(facts) else {}
+        except Exception:  # noqa: BLE001 -- a stage process being restarted says nothing
+            return {}
+        return {str(k): str(v) for k, v in settings.items()}
+
     def stage_infos(self) -> list[decoder_pb2.StageInfo]:
         infos = []
         for s in self.profile.stages:
@@ -377,6 +385,7 @@ class Pipeline:
                 info.reason = decision.reason
                 info.steps = self.runners[s.stage_id].steps
                 info.restarting = bool(getattr(self.runners[s.stage_id], "restarting", False))  # a stage process
+                info.engine_settings.update(self._engine_settings(s.name))
             else:
                 info.kind = decoder_pb2.STAGE_KIND_GENERATION
                 info.output_path = decoder_pb2.OUTPUT_PATH_SYNC

@@ -121,6 +121,8 @@ class DecoderInfo:
     limits: common_pb2.DeploymentLimits = field(default_factory=common_pb2.DeploymentLimits)
     supports_instructions: bool = False
     model: str = ""
+    engine_settings: dict[str, dict[str, str]] = field(default_factory=dict)
+    """The AR stages' engine settings as built, by stage name (`StageInfo.engine_settings`)."""
 
     @classmethod
     def from_pb(cls, pb: decoder_pb2.GetDecoderInfoResponse) -> DecoderInfo:
@@ -141,6 +143,7 @@ class DecoderInfo:
             limits=limits,
             supports_instructions=pb.supports_instructions,
             model=pb.model,
+            engine_settings={st.name: dict(st.engine_settings) for st in pb.stages if st.engine_settings},
         )
 
 

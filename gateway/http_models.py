@@ -3,8 +3,9 @@
 A deployment serves one model. Its card is OpenAI's model object (``id``,
 ``object``, ``created``, ``owned_by``) plus what a client needs to use it,
 from the decoder's `DecoderInfo`: ``profile``, ``modalities``, ``voices``,
-``sample_rate_hz``, ``limits`` (every `DeploymentLimits` field) and
-``supports_instructions``. ``created`` is when this gateway started. The id
+``sample_rate_hz``, ``limits`` (every `DeploymentLimits` field),
+``supports_instructions`` and ``engine_settings`` (each AR stage's engine
+settings as built, by stage name: `StageInfo.engine_settings`). ``created`` is when this gateway started. The id
 is `gateway.http_common.model_id` (the decoder's model name, or
 ``omni-serving``), the one chat completions answer with.
 """
@@ -49,6 +50,7 @@ def model_card(info: DecoderInfo, created: int) -> dict[str, object]:
         "sample_rate_hz": info.sample_rate_hz,
         "limits": limits_json(info),
         "supports_instructions": info.supports_instructions,
+        "engine_settings": info.engine_settings,
     }
 
 

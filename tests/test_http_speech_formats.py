@@ -289,6 +289,7 @@ def test_models_list_and_get(gateway: GatewayThread) -> None:
             "max_first_chunk_frames": 0,
         },
         "supports_instructions": False,
+        "engine_settings": {},  # the fake decoder's stages say none
     }
     assert get(gateway.http_port, "/v1/models/omni-serving").json() == model
     assert client(gateway.http_port).models.retrieve("omni-serving").id == "omni-serving"

@@ -152,6 +152,31 @@ def test_tts_async_equals_sync_and_speak_cli_writes_wav(tmp_path_factory, tmp_pa
     assert tree_snapshot(checkpoint) == before, "serving changed the model directory"
 
 
+def test_engine_settings_reach_the_engine_and_are_reported(tmp_path_factory, checkpoint):
+    """`up --engine-set` items reach the talker's engine; GetDecoderInfo and
+    /v1/models report the settings as the engine took them; it serves."""
+    import json
+
+    stack = Stack(StackConfig(engine="vllm", profile="tts", model=str(checkpoint), sync=True, port=0, http_port=0,
+                              runtime_dir=str(tmp_path_factory.mktemp("rt")), log_level="WARNING",
+                              engine_set="talker.max_num_seqs=8, talker.kv_cache_memory=48MiB,max_model_len=1024"))
+    stack.start(timeout_s=300)
+    try:
+        (talker,) = decoder_info(stack).stages[:1]
+        settings = dict(talker.engine_settings)
+        assert {k: settings[k] for k in ("max_num_seqs", "kv_cache_memory", "max_model_len", "dtype",
+                                         "device", "enforce_eager", "enable_chunked_prefill")} == {
+            "max_num_seqs": "8", "kv_cache_memory": str(48 * 2**20), "max_model_len": "1024",
+            "dtype": "float32", "device": "cpu", "enforce_eager": "true", "enable_chunked_prefill": "false",
+        }, settings
+        with urllib.request.urlopen(f"{stack.http_url}/v1/models", timeout=30) as resp:
+            (card,) = json.load(resp)["data"]
+        assert card["engine_settings"] == {"talker": settings}
+        assert check_chunks(speak_chunks(stack.gateway_target, PROMPTS[0][0], PROMPTS[0][1]))
+    finally:
+        assert stack.stop() == []
+
+
 def test_decoder_refuses_a_bad_checkpoint_before_serving(tmp_path, checkpoint):
     """Wrong architecture / missing tensor: exit status != 0, the file and key named."""
     import json

