@@ -43,9 +43,13 @@ __all__ = [
     "EffectiveSettings",
     "EngineSettings",
     "apply_overrides",
+    "check_placement",
     "cpu_has_bf16",
+    "cuda_index",
+    "visible_devices",
     "parse_overrides",
     "parse_settings",
+    "share_a_device",
     "resolve",
 ]
 
@@ -228,6 +232,58 @@ def apply_overrides(stages: Mapping[str, EngineSettings], overrides: Iterable[tu
             out[name] = _consistent(dataclasses.replace(out[name], **{key: _check_value(where, key, value)}),
                                     f"{source} {name}")
     return out
+
+
+def cuda_index(device: str) -> int | None:
+    """N of ``cuda:N``; None for any other device."""
+    return int(device.split(":", 1)[1]) if device.startswith("cuda:") else None
+
+
+def visible_devices(device: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """The ``CUDA_VISIBLE_DEVICES`` a stage process on `device` sets before
+    it loads vLLM (vLLM builds its engine on the first visible device):
+    ``cuda:N`` is the N-th device this process may see (the N-th entry of
+    an inherited ``CUDA_VISIBLE_DEVICES``, else device N). None: leave it."""
+    index = cuda_index(device)
+    if index is None:
+        return None
+    inherited = (environ if environ is not None else os.environ).get("CUDA_VISIBLE_DEVICES")
+    if inherited is None or not inherited.strip():
+        return str(index)
+    entries = [e.strip() for e in inherited.split(",") if e.strip()]
+    if index >= len(entries):
+        raise InvalidArgumentError("engine.device", f"cuda:{index} asked for, but CUDA_VISIBLE_DEVICES={inherited!r} "
+                                   f"gives this process {len(entries)} device(s)")
+    return entries[index]
+
+
+def check_placement(stages: Iterable[tuple[str, EngineSettings, int]], *, own_processes: bool) -> None:
+    """Refuse a ``cuda:N`` the decoder cannot honour: the stages
+    ((name, settings, tensor parallel size)) run in the decoder's own process
+    (one CUDA context: device 0 of what it sees), or the stage is split over
+    several devices (its ranks take the first ones it sees)."""
+    for name, settings, tp in stages:
+        index = cuda_index(settings.device)
+        if index is None:
+            continue
+        if not own_processes and index != 0:
+            raise InvalidArgumentError(f"engine.{name}.device", f"stage {name}: {settings.device} needs the stage in "
+                                       "a process of its own (--stage-processes on); in the decoder's process "
+                                       "every stage is on cuda:0")
+        if tp > 1:
+            raise InvalidArgumentError(f"engine.{name}.device", f"stage {name}: {settings.device} names one device, "
+                                       f"but tensor_parallel_size={tp} spreads the stage over {tp}: leave device "
+                                       "auto and choose the devices with CUDA_VISIBLE_DEVICES")
+
+
+def share_a_device(devices: Iterable[str], platform: str) -> bool:
+    """Whether two of the AR stages' `devices` (their ``device`` settings,
+    ``auto`` included) are the same CUDA device on `platform`."""
+    if platform != "cuda":
+        return False
+    keys = ["cuda:0" if d in (AUTO, "cuda") else d for d in devices]
+    keys = [k for k in keys if k.startswith("cuda")]
+    return len(keys) != len(set(keys))
 
 
 def cpu_has_bf16() -> bool:

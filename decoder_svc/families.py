@@ -12,10 +12,12 @@ module may need torch and vLLM):
   process of an engine;
 - its module, imported when the family is used, which provides:
 
-  - ``build_engine(profile, model, *, max_num_seqs, launch=None) ->
+  - ``build_engine(profile, model, *, max_num_seqs, launch=None, code2wav_workers=0) ->
     EngineParts``: open the model (``""``: the family's default) and build
     the AR stages' backends in this process (``max_num_seqs``: None, or a
-    caller's value over the stages' engine settings, ``StageConfig.engine``), or, with ``launch``, start the
+    caller's value over the stages' engine settings, ``StageConfig.engine``;
+    ``code2wav_workers``: the decoder's code2wav worker processes, which a
+    memory plan counts), or, with ``launch``, start the
     stage processes (``launch(checkpoint path)``, see
     ``decoder_svc.stage.proxy``) and use them; plus the vocoder and the
     request preparation. A model the family cannot serve raises

@@ -22,7 +22,7 @@ import os
 import grpc
 
 from decoder_svc import families, lengths
-from decoder_svc.engine_settings import ENV_VAR, parse_overrides
+from decoder_svc.engine_settings import ENV_VAR, check_placement, parse_overrides, share_a_device
 from decoder_svc.engine_settings import KEYS as ENGINE_KEYS
 from decoder_svc.pipeline import Pipeline
 from decoder_svc.profile import available_profiles, load_profile
@@ -184,7 +184,10 @@ def deployed_profile(args: argparse.Namespace):
     (applied by load_profile), then ``--max-num-seqs`` and ``--engine-set``."""
     items = [f"max_num_seqs={args.max_num_seqs}"] if args.max_num_seqs is not None else []
     items += list(args.engine_set)
-    return load_profile(args.profile).with_engine_overrides(parse_overrides(items, "--engine-set"), "--engine-set")
+    profile = load_profile(args.profile).with_engine_overrides(parse_overrides(items, "--engine-set"), "--engine-set")
+    check_placement([(s.name, s.engine, s.tensor_parallel_size) for s in profile.ar_stages],
+                    own_processes=stage_processes_on(args))
+    return profile
 
 
 def stage_processes_on(args: argparse.Namespace) -> bool:
@@ -209,8 +212,13 @@ def _launch_stage_processes(args: argparse.Namespace, profile, model: str) -> di
         stall_timeout_s=args.materializer_stall_timeout_s,
         log_level=args.log_level,
     )
+    one_by_one = False
+    if args.engine == "vllm" and len(specs) > 1:
+        from decoder_svc.vllm_engine.engine_factory import engine_platform
+
+        one_by_one = share_a_device([s.engine.device for s in profile.ar_stages], engine_platform())
     try:
-        return launch_stages(specs)
+        return launch_stages(specs, one_by_one=one_by_one)
     except OmniError as exc:
         logger.error("cannot start the AR stages: %s", exc)
         raise SystemExit(f"decoder: {exc}") from exc
@@ -235,7 +243,8 @@ def build_engine(args: argparse.Namespace, profile) -> tuple[dict, dict]:
         def launch(model: str) -> dict:
             return _launch_stage_processes(args, profile, model)
     try:
-        parts = impl.build_engine(profile, args.model, max_num_seqs=None, launch=launch)
+        parts = impl.build_engine(profile, args.model, max_num_seqs=None, launch=launch,
+                                  code2wav_workers=code2wav_workers(args))
     except families.UnservableModel as exc:
         logger.error("cannot serve the model: %s", exc)
         raise SystemExit(f"decoder: cannot serve the model: {exc}") from exc

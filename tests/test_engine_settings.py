@@ -217,3 +217,34 @@ def test_a_float32_only_stage():
     assert resolve(EngineSettings(), stage="talker", platform="cuda", float32_only=why, **CKPT).dtype == "float32"
     err = _error(resolve, EngineSettings(dtype="bfloat16"), stage="talker", platform="cpu", float32_only=why, **CKPT)
     assert err.field == "engine.talker.dtype" and why in str(err)
+
+
+def test_a_stage_on_cuda_n_sees_that_device_only():
+    """Device bookkeeping without a GPU: what a stage process on cuda:N sets
+    before vLLM loads, and the placements the decoder refuses."""
+    from decoder_svc.engine_settings import check_placement, visible_devices
+
+    assert visible_devices("cuda:1", {}) == "1"
+    assert visible_devices("cuda:1", {"CUDA_VISIBLE_DEVICES": "4, 6"}) == "6"
+    assert visible_devices("cuda", {}) is None and visible_devices("auto", {}) is None
+    assert visible_devices("cpu", {"CUDA_VISIBLE_DEVICES": "3"}) is None
+    err = _error(visible_devices, "cuda:2", {"CUDA_VISIBLE_DEVICES": "4,6"})
+    assert "gives this process 2 device(s)" in str(err)
+    on = EngineSettings(device="cuda:1")
+    check_placement([("thinker", EngineSettings(device="cuda:0"), 1), ("talker", on, 1)], own_processes=True)
+    err = _error(check_placement, [("talker", on, 1)], own_processes=False)
+    assert err.field == "engine.talker.device" and "--stage-processes on" in str(err)
+    err = _error(check_placement, [("thinker", on, 2)], own_processes=True)
+    assert err.field == "engine.thinker.device" and "tensor_parallel_size=2" in str(err)
+
+
+def test_stage_process_places_itself_before_building(monkeypatch):
+    from decoder_svc.stage import host
+    from decoder_svc.stage.messages import StageHostSpec
+
+    profile = load_profile("tts", environ={"OMNI_ENGINE_SET": "talker.device=cuda:1"})
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,5")
+    host._place(StageHostSpec(profile=profile, stage="talker", engine="fake"))
+    import os
+
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "5"

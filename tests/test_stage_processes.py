@@ -334,3 +334,33 @@ def test_a_stage_process_is_not_used_before_it_is_ready():
     with pytest.raises(UnavailableError, match="restarting"):
         stage.add_request(RequestSpec(request_id="x", prompt="hello"))
     assert not stage.has_unfinished()
+
+
+@pytest.mark.parametrize("one_by_one", [False, True])
+def test_stages_sharing_a_device_start_one_after_another(monkeypatch, one_by_one):
+    """one_by_one (stages on one GPU): a stage process starts only once the
+    one before is ready; otherwise they start side by side."""
+    from decoder_svc.engine_settings import share_a_device
+    from decoder_svc.stage import launch as launch_mod
+
+    seen: list[tuple[str, list[bool]]] = []
+    started: list = []
+    real_launch = launch_mod.StageProcess.launch
+
+    def launch(self):
+        seen.append((self.spec.stage, [s.ready for s in started]))
+        started.append(self)
+        return real_launch(self)
+
+    monkeypatch.setattr(launch_mod.StageProcess, "launch", launch)
+    specs = stage_specs(load_profile("omni"), engine="fake", shm_prefix=PREFIX)
+    stages = launch_stages(specs, start_timeout_s=120, one_by_one=one_by_one)
+    try:
+        assert [name for name, _ in seen] == ["thinker", "talker"]
+        assert seen[1][1] == [one_by_one], seen
+        assert all(s.ready for s in stages.values())
+    finally:
+        for s in stages.values():
+            s.stop()
+    assert share_a_device(["auto", "cuda"], "cuda") and share_a_device(["cuda:1", "cuda:1"], "cuda")
+    assert not share_a_device(["cuda:0", "cuda:1"], "cuda") and not share_a_device(["auto", "auto"], "cpu")

@@ -27,7 +27,7 @@ import hashlib
 import json
 import os
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -348,6 +348,8 @@ class OmniCheckpoint:
     config: dict
     generation_config: dict
     weight_map: dict[str, str]
+    # tensor name -> shape, from the shards' headers (no tensor data read)
+    shapes: dict[str, list[int]] = field(default_factory=dict, compare=False, repr=False)
 
     # -- opening
     @classmethod
@@ -375,7 +377,7 @@ class OmniCheckpoint:
         weight_map, shapes, index_file = _read_weights(path)
         _check_tensors(config, weight_map, shapes, path, index_file)
         _check_tokenizer(path)
-        return cls(path=path, config=config, generation_config=generation, weight_map=weight_map)
+        return cls(path=path, config=config, generation_config=generation, weight_map=weight_map, shapes=shapes)
 
     # -- sub-configs
     @property
@@ -411,6 +413,17 @@ class OmniCheckpoint:
                 for name in sorted(by_shard[shard]):
                     out[name] = f.get_tensor(name)
         return out
+
+    def numel(self, prefix: str) -> int:
+        """Elements of the tensors named `prefix*` (from the headers)."""
+        total = 0
+        for name, shape in self.shapes.items():
+            if name.startswith(prefix):
+                n = 1
+                for d in shape:
+                    n *= int(d)
+                total += n
+        return total
 
     def fingerprint(self) -> str:
         """A short stable hash of what the checkpoint is: its resolved path, config.json,

@@ -128,7 +128,7 @@ CHUNKED_PREFILL_REFUSED = {
 }
 
 
-def stage_settings(checkpoint: OmniCheckpoint, stage, *, platform: str | None = None,
+def stage_settings(checkpoint: OmniCheckpoint, stage, *, platform: str | None = None, log_notes: bool = True,
                    **given: Any) -> EffectiveSettings:
     """The engine settings `stage` is built with on `checkpoint`: its
     profile's (with the deployment's overrides) and `given` (keyword
@@ -138,9 +138,7 @@ def stage_settings(checkpoint: OmniCheckpoint, stage, *, platform: str | None = 
     settings = dataclasses.replace(stage.engine, **{k: v for k, v in given.items() if v is not None})
     cfg = checkpoint.thinker_config if role == "thinker" else checkpoint.talker_config
     text = cfg["text_config"]
-    heads = int(text["num_attention_heads"])
-    head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // heads)
-    kv_elements = 2 * int(text["num_hidden_layers"]) * int(text.get("num_key_value_heads") or heads) * head_dim
+    kv_elements = kv_elements_per_token(checkpoint, role)
     dtype = (text.get("torch_dtype") or text.get("dtype") or cfg.get("torch_dtype")
              or checkpoint.config.get("torch_dtype") or checkpoint.config.get("dtype") or "bfloat16")
     refusal = ""
@@ -153,9 +151,18 @@ def stage_settings(checkpoint: OmniCheckpoint, stage, *, platform: str | None = 
     eff = resolve(settings, stage=stage.name, platform=platform, checkpoint_dtype=str(dtype),
                   checkpoint_context=int(text["max_position_embeddings"]), kv_elements_per_token=kv_elements,
                   chunked_prefill_refusal=refusal, float32_only=TALKER_FLOAT32_ONLY if role == "talker" else "")
-    for note in eff.notes:
-        log.info("stage %s: %s", stage.name, note)
+    if log_notes:
+        for note in eff.notes:
+            log.info("stage %s: %s", stage.name, note)
     return eff
+
+
+def kv_elements_per_token(checkpoint: OmniCheckpoint, role: str) -> int:
+    """KV cache elements one token takes in `role`'s engine: keys and values of every layer."""
+    text = (checkpoint.thinker_config if role == "thinker" else checkpoint.talker_config)["text_config"]
+    heads = int(text["num_attention_heads"])
+    head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // heads)
+    return 2 * int(text["num_hidden_layers"]) * int(text.get("num_key_value_heads") or heads) * head_dim
 
 
 def _feeds_talker(stage) -> bool:

@@ -11,22 +11,36 @@ Each engine is built with its stage's engine settings (``StageConfig.engine``).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from decoder_svc.families import EngineParts, UnservableModel
 from decoder_svc.profile import Profile
+from omni_common.errors import InvalidArgumentError
 
 from .cache import default_model_dir
 from .checkpoint import CheckpointError, OmniCheckpoint
 from .engine import build_engine as build_qwen3_omni
-from .engine import build_front
+from .engine import build_front, kv_elements_per_token, stage_settings
 from .engine import build_stage_backend as build_backend
+from .memory_plan import MemoryPlan, PlanRefused, plan_memory
+
+log = logging.getLogger(__name__)
+
 
 def build_engine(
-    profile: Profile, model: str, *, max_num_seqs: int, launch: Callable[[str], dict[str, Any]] | None = None
+    profile: Profile, model: str, *, max_num_seqs: int, launch: Callable[[str], dict[str, Any]] | None = None,
+    code2wav_workers: int = 0,
 ) -> EngineParts:
+    try:
+        checkpoint = OmniCheckpoint.open(Path(model) if model else default_model_dir())
+        plan = memory_plan(checkpoint, profile, code2wav_workers=code2wav_workers, max_num_seqs=max_num_seqs)
+        for line in plan.lines():
+            log.info("%s", line)
+    except (CheckpointError, PlanRefused, InvalidArgumentError) as exc:
+        raise UnservableModel(str(exc)) from exc
     try:
         if launch is not None:
             front = build_front(profile, Path(model) if model else None)
@@ -39,6 +53,49 @@ def build_engine(
         raise UnservableModel(str(exc)) from exc
     # code2wav worker processes rebuild the vocoder from its worker_spec() (the checkpoint directory)
     return EngineParts(engine.backends, engine.vocoder, engine.prepare)
+
+
+def memory_plan(checkpoint: OmniCheckpoint, profile: Profile, *, code2wav_workers: int,
+                max_num_seqs: int | None = None) -> MemoryPlan:
+    """The profile's memory plan on `checkpoint` (``.memory_plan``), against
+    this host's available memory and its CUDA devices' totals; PlanRefused
+    when it does not fit."""
+    stages = []
+    for stage in profile.ar_stages:
+        role = stage.engine_role or stage.name
+        stages.append((stage.name, role, stage_settings(checkpoint, stage, log_notes=False,
+                                                        max_num_seqs=max_num_seqs)))
+    kv_bytes = {name: kv_elements_per_token(checkpoint, role) * (4 if eff.dtype == "float32" else 2)
+                for name, role, eff in stages}
+    totals = cuda_totals() if any(eff.on_cuda for _, _, eff in stages) else {}
+    return plan_memory(checkpoint, stages, code2wav_workers=code2wav_workers, host_available=host_available(),
+                       device_totals=totals, kv_bytes_per_token=kv_bytes)
+
+
+def host_available() -> int:
+    """Memory this process may still use: the host's available memory, or
+    less where a cgroup (a container) limits it."""
+    import psutil
+
+    available = int(psutil.virtual_memory().available)
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text().strip())
+        if limit != "max":
+            available = min(available, max(int(limit) - used, 0))
+    except (OSError, ValueError):
+        pass
+    return available
+
+
+def cuda_totals() -> dict[str, int]:
+    """Each visible CUDA device's total memory, by "cuda:N"."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return {}
+    return {f"cuda:{i}": int(torch.cuda.get_device_properties(i).total_memory)
+            for i in range(torch.cuda.device_count())}
 
 
 def build_stage_backend(spec):

@@ -45,6 +45,7 @@ from typing import Any
 from decoder_svc import busy, metrics
 from decoder_svc.backend import RequestSpec
 from decoder_svc.busy import BUSY
+from decoder_svc.engine_settings import visible_devices
 from decoder_svc.families import family_for
 from decoder_svc.spawned import pipe_sender
 from decoder_svc.stage.assembly import build_stages
@@ -68,7 +69,7 @@ from decoder_svc.stage.messages import (
     WireError,
 )
 from omni_common import metrics_forward
-from omni_common.errors import OmniError, log_internal
+from omni_common.errors import InvalidArgumentError, OmniError, log_internal
 from omni_serving.v1 import materializer_pb2
 
 logger = logging.getLogger(__name__)
@@ -287,6 +288,19 @@ def _set_title(spec: StageHostSpec) -> None:
         pass
 
 
+def _place(spec: StageHostSpec) -> None:
+    """A stage on ``cuda:N`` sees that device only (set before vLLM loads;
+    decoder_svc.engine_settings.visible_devices)."""
+    device = spec.config.engine.device
+    try:
+        visible = visible_devices(device)
+    except InvalidArgumentError as exc:
+        raise InvalidArgumentError(f"engine.{spec.stage}.device", str(exc)) from exc
+    if visible is not None:
+        os.environ["CUDA_VISIBLE_DEVICES"] = visible
+        logger.info("stage %s: %s is CUDA device %s here (CUDA_VISIBLE_DEVICES)", spec.stage, device, visible)
+
+
 def _watch_parent(parent: int) -> None:
     """End this process when the decoder is gone, even while the engine is
     still being built (the command pipe is read only once it is ready)."""
@@ -315,6 +329,7 @@ def stage_main(spec: StageHostSpec, commands, events, parent: int) -> None:
     send = pipe_sender(events, as_bytes=True)
     BUSY.record_intervals(True)
     try:
+        _place(spec)
         host = _StageHost(spec, send)
         host.start()
     except BaseException as exc:  # noqa: BLE001 -- told to the decoder, which logs it

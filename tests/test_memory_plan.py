@@ -1,0 +1,124 @@
+"""The memory plan (decoder_svc/qwen3_omni/memory_plan.py): computed from the
+checkpoint's headers and the stages' engine settings before any engine
+starts; printed; refused with the numbers when it does not fit. CUDA plans
+are checked with a fake device (its total memory given), no GPU needed."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from decoder_svc.engine_settings import EngineSettings, resolve
+from decoder_svc.profile import load_profile
+from decoder_svc.qwen3_omni.checkpoint import OmniCheckpoint
+from decoder_svc.qwen3_omni.memory_plan import RUNTIME_BYTES, PlanRefused, plan_memory
+
+GiB = 2**30
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from decoder_svc.qwen3_omni.tiny import create_tiny_checkpoint
+
+    return create_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny")
+
+
+@pytest.fixture(scope="module")
+def ckpt(tiny):
+    return OmniCheckpoint.open(tiny)
+
+
+def _cpu(**kw):
+    return resolve(EngineSettings(**{"dtype": "float32", **kw}), stage="s", platform="cpu",
+                   checkpoint_dtype="bfloat16", checkpoint_context=4096, kv_elements_per_token=256)
+
+
+def _cuda(share: float, **kw):
+    return resolve(EngineSettings(gpu_memory_utilization=share, **kw), stage="s", platform="cuda",
+                   checkpoint_dtype="bfloat16", checkpoint_context=4096, kv_elements_per_token=256)
+
+
+def test_the_weights_come_from_the_headers(ckpt):
+    talker = sum(n for n in (_numel(shape) for name, shape in ckpt.shapes.items() if name.startswith("talker.")))
+    assert ckpt.numel("talker.") == talker > 0
+    assert ckpt.numel("") == sum(_numel(s) for s in ckpt.shapes.values())
+
+
+def _numel(shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def test_a_cpu_plan_adds_up_and_prints(ckpt):
+    talker = _cpu(kv_cache_memory=64 * 2**20)
+    plan = plan_memory(ckpt, [("talker", "talker", talker)], code2wav_workers=2, host_available=64 * GiB)
+    t, c = plan.stages
+    assert (t.weights, t.kv, t.runtime) == (ckpt.numel("talker.") * 4, 64 * 2**20, RUNTIME_BYTES["stage"])
+    assert (c.name, c.copies, c.weights) == ("code2wav", 2, ckpt.numel("code2wav.") * 4)
+    assert plan.host_needed == RUNTIME_BYTES["decoder"] + t.total + c.total
+    text = "\n".join(plan.lines())
+    assert "talker" in text and "code2wav" in text and "x 2 processes" in text and "available" in text
+
+
+def test_a_cpu_plan_that_does_not_fit_is_refused_with_its_numbers(ckpt):
+    big = _cpu(kv_cache_memory=40 * GiB)
+    with pytest.raises(PlanRefused) as err:
+        plan_memory(ckpt, [("talker", "talker", big)], code2wav_workers=1, host_available=16 * GiB)
+    msg = str(err.value)
+    assert "host needs" in msg and "16.00 GiB available" in msg and "talker" in msg and "kv_cache_memory" in msg
+
+
+def test_cuda_shares_of_one_device_must_add_up(ckpt):
+    totals = {"cuda:0": 141 * GiB}
+    thinker, talker = _cuda(0.6), _cuda(0.4)
+    with pytest.raises(PlanRefused) as err:
+        plan_memory(ckpt, [("thinker", "thinker", thinker), ("talker", "talker", talker)], code2wav_workers=1,
+                    host_available=64 * GiB, device_totals=totals)
+    assert "add up to 1.00 (thinker 0.6, talker 0.4)" in str(err.value)
+    plan = plan_memory(ckpt, [("thinker", "thinker", _cuda(0.6)), ("talker", "talker", _cuda(0.3))],
+                       code2wav_workers=1, host_available=64 * GiB, device_totals=totals)
+    assert [s.share for s in plan.stages[:2]] == [0.6, 0.3]
+    assert plan.stages[0].kv == int(0.6 * totals["cuda:0"]) - plan.stages[0].weights - plan.stages[0].activations
+    # on two devices each share stands alone
+    plan_memory(ckpt, [("thinker", "thinker", _cuda(0.9, device="cuda:0")),
+                       ("talker", "talker", _cuda(0.9, device="cuda:1"))], code2wav_workers=1,
+                host_available=64 * GiB, device_totals={"cuda:0": 80 * GiB, "cuda:1": 80 * GiB})
+
+
+def test_a_share_too_small_for_its_stage_names_the_share_it_needs(ckpt):
+    tiny_device = {"cuda:0": 2**20}  # 1 MiB: nothing fits
+    with pytest.raises(PlanRefused) as err:
+        plan_memory(ckpt, [("talker", "talker", _cuda(0.5))], code2wav_workers=1, host_available=64 * GiB,
+                    device_totals=tiny_device, kv_bytes_per_token={"talker": 512})
+    msg = str(err.value)
+    assert "stage talker on cuda:0" in msg and "raise its gpu_memory_utilization to at least" in msg
+    with pytest.raises(PlanRefused, match="total memory is not known"):
+        plan_memory(ckpt, [("talker", "talker", _cuda(0.5, device="cuda:3"))], code2wav_workers=1,
+                    host_available=64 * GiB, device_totals=tiny_device)
+
+
+@pytest.mark.vllm
+def test_the_family_plans_the_profile_on_this_host(ckpt):
+    pytest.importorskip("vllm")
+    from decoder_svc.qwen3_omni.family import memory_plan
+
+    plan = memory_plan(ckpt, load_profile("omni"), code2wav_workers=1)
+    assert [s.name for s in plan.stages] == ["thinker", "talker", "code2wav"]
+    assert plan.stages[0].weights == ckpt.numel("thinker.") * 4  # float32 (tests pin it)
+    assert 0 < plan.host_needed <= plan.host_available
+
+
+@pytest.mark.vllm
+def test_the_decoder_refuses_a_plan_that_does_not_fit_before_loading(tiny, tmp_path):
+    pytest.importorskip("vllm")
+    sock = f"unix://{tmp_path}/d.sock"
+    run = subprocess.run([sys.executable, "-m", "decoder_svc", "--model", str(tiny), "--listen", sock,
+                          "--deployment", "planrefused", "--engine-set", "talker.kv_cache_memory=100000GiB"],
+                         capture_output=True, text=True, timeout=300)
+    assert run.returncode != 0
+    assert "memory plan: the host needs" in run.stderr and "kv_cache_memory" in run.stderr, run.stderr[-2000:]
+    assert "Loading safetensors" not in run.stderr, "an engine started before the plan was refused"
