@@ -62,7 +62,7 @@ _TORCH_DTYPES = {"float32": "float32", "float": "float32", "bfloat16": "bfloat16
                  "half": "float16"}
 MAX_NUM_SEQS_RANGE = (1, 1024)
 MIN_MODEL_LEN = 16
-MIN_KV_BYTES = 2**20
+MIN_KV_BYTES = 64 * 2**10  # a sanity floor; resolve() checks the budget holds the context
 KV_BLOCK_ROUNDING = 256
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -108,7 +108,7 @@ def _bytes(key: str, value: Any) -> int:
             raise InvalidArgumentError(key, f"must be a size in bytes (e.g. 67108864, 64MiB, 2GiB), got {value!r}")
         n = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
     if n < MIN_KV_BYTES:
-        raise InvalidArgumentError(key, f"must be at least {MIN_KV_BYTES} bytes (1 MiB), got {n}")
+        raise InvalidArgumentError(key, f"must be at least {MIN_KV_BYTES} bytes (64 KiB), got {n}")
     return n
 
 
@@ -412,11 +412,12 @@ def resolve(
     kv_bytes_per_token = max(int(kv_elements_per_token), 1) * (4 if dtype == "float32" else 2)
     budget_tokens = 0
     if not on_cuda:
-        # vLLM holds the cache in whole blocks (16 to 256 tokens by backend)
-        budget_tokens = settings.kv_cache_memory // kv_bytes_per_token // KV_BLOCK_ROUNDING * KV_BLOCK_ROUNDING
+        # vLLM holds the cache in whole blocks (16 to 256 tokens by backend) and keeps one back (its null block)
+        blocks = settings.kv_cache_memory // kv_bytes_per_token // KV_BLOCK_ROUNDING
+        budget_tokens = max(blocks - 1, 0) * KV_BLOCK_ROUNDING
     if settings.max_model_len == AUTO:
         max_model_len = int(checkpoint_context)
-        if budget_tokens and budget_tokens < max_model_len:
+        if not on_cuda and budget_tokens < max_model_len:
             notes.append(f"max_model_len auto: the checkpoint's {checkpoint_context} tokens reduced to the "
                          f"{budget_tokens} the KV budget holds ({settings.kv_cache_memory} bytes at "
                          f"{kv_bytes_per_token} bytes per token)")
@@ -429,12 +430,13 @@ def resolve(
             raise InvalidArgumentError(f"engine.{stage}.max_model_len",
                                        f"stage {stage}: {max_model_len} exceeds the checkpoint's context "
                                        f"({checkpoint_context} tokens)")
-        if budget_tokens and budget_tokens < max_model_len:
+        if not on_cuda and budget_tokens < max_model_len:
+            need = (-(-max_model_len // KV_BLOCK_ROUNDING) + 1) * KV_BLOCK_ROUNDING * kv_bytes_per_token
             raise InvalidArgumentError(
                 f"engine.{stage}.kv_cache_memory",
                 f"stage {stage}: {settings.kv_cache_memory} bytes hold {budget_tokens} tokens "
-                f"({kv_bytes_per_token} bytes each), below max_model_len {max_model_len}: "
-                f"raise kv_cache_memory to at least {max_model_len * kv_bytes_per_token} or lower max_model_len")
+                f"({kv_bytes_per_token} bytes each, less a block the engine keeps back), below max_model_len "
+                f"{max_model_len}: raise kv_cache_memory to at least {need} or lower max_model_len")
     if max_model_len < MIN_MODEL_LEN:
         raise InvalidArgumentError(f"engine.{stage}.kv_cache_memory",
                                    f"stage {stage}: the KV budget holds {budget_tokens} tokens, below the "

@@ -66,6 +66,12 @@ INTERNAL_ERRORS = Counter(
     "serving), by thread",
     ["where"],
 )
+PREEMPTIONS = Counter(
+    "omni_decoder_preemptions_total",
+    "Requests a stage's engine preempted to free KV cache for others (each is recomputed, "
+    "prompt and tokens so far, when it resumes), by stage",
+    ["stage"],
+)
 REQUESTS = Counter("omni_decoder_requests_total", "Requests that ended, by outcome", ["outcome"])
 ACTIVE_REQUESTS = Gauge("omni_decoder_active_requests", "Requests running")
 

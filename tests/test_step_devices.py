@@ -58,6 +58,7 @@ def _backend(*, talker: bool, cp_weight: torch.Tensor | None = None) -> StandinB
     b._cp_weight = cp_weight
     b._copy_hidden = False
     b._captured = deque()
+    b._delivered = {}
     b.dropped_rows = 0
     b._codes_of = timed_codes(b._codes, b.name) if talker else None
     return b
@@ -151,6 +152,35 @@ def test_thinker_step_all_rows_kept_hands_on_the_runners_tensors():
     assert dict(out.text_deltas) == {"r0": "a", "r1": "b", "r2": "", "r3": "d"}
     assert out.num_scheduled_tokens == NST and list(out.batch_indices) == [0, 1, 2, 3]
     assert out.finished == {"r1": "length"}
+
+
+def test_a_recomputed_requests_rows_are_handed_on_once():
+    """A request resumed after a preemption computes its prompt and tokens
+    again in one step: only rows of positions not handed on before come out
+    (the first computation's rows stay the ones consumers have), on the
+    runner's device, with one device-to-host read."""
+    torch.manual_seed(2)
+    hidden = torch.randn(T, H)
+    sampled = torch.tensor([[11], [12], [13], [14]], dtype=torch.int32)
+    b = _backend(talker=False)
+    # r0 (positions 0..2 this step) handed on positions 0 and 1 before it was preempted
+    b._delivered.update({"r0": 2, "r1": 5})
+    mode = FakeDeviceMode()
+    with mode:
+        out = _run_step(b, _capture(to_device(hidden), to_device(sampled), [False] * 4, "k"), [True] * 4, {}, {})
+    assert mode.mixed == [] and len(mode.syncs) == 1, (mode.mixed, mode.syncs)
+    assert out.request_ids == EXT and out.num_scheduled_tokens == [1, 1, 1, 2]
+    assert out.query_start_loc.tolist() == [0, 1, 2, 3, 5]
+    assert torch.equal(to_host(out.hidden_states), hidden[[2, 3, 4, 5, 6]])
+    assert out.sampled_token_ids.tolist() == [[11], [12], [13], [14]], "every row's new token is kept"
+    assert b._delivered == {"r0": 3, "r1": 6, "r2": 10, "r3": 2}
+    # the same positions again (a second preemption): nothing of r0 comes out twice
+    b._delivered["r1"] = 0
+    again = _run_step(b, _capture(hidden, sampled, [False] * 4, "k"), [True] * 4, {}, {})
+    assert again.num_scheduled_tokens == [0, 1, 0, 0] and torch.equal(again.hidden_states, hidden[[3]])
+    # a step without a recompute hands the runner's tensor on as it is
+    fresh = _backend(talker=False)
+    assert _run_step(fresh, _capture(hidden, sampled, [False] * 4, "k"), [True] * 4, {}, {}).hidden_states is hidden
 
 
 class _CopyCounter(TorchDispatchMode):

@@ -208,6 +208,7 @@ class VLLMBackend:
         self._ext_of: dict[str, str] = {}  # live internal id -> external id
         self._int_of: dict[str, str] = {}  # live external id -> internal id
         self._captured: deque[Captured] = deque()  # stage thread only
+        self._delivered: dict[str, int] = {}  # live external id -> positions whose rows were handed on
         self._copy_hidden = False  # set once the engine is built (outputs_are_fresh)
         self._streaming: set[str] = set()  # live external ids whose input is still arriving
         self._tap: SchedulerTap | None = None  # step alignment, held requests (.scheduling)
@@ -242,7 +243,7 @@ class VLLMBackend:
             # A step keeps references to the runner's outputs unless a later
             # step can rewrite them (CUDA graphs): then it takes one copy.
             self._copy_hidden = not outputs_are_fresh(self.engine.vllm_config)
-            self._tap = SchedulerTap(self.engine, self._held)
+            self._tap = SchedulerTap(self.engine, self._held, self.name)
             self._scheduler = self._tap.scheduler
             self._after_engine()
             if pooling_engine == "eager":
@@ -360,14 +361,11 @@ class VLLMBackend:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 
-        if spec.max_tokens < 0:
-            raise InvalidArgumentError("max_tokens", f"must be >= 0, got {spec.max_tokens}")
-        if spec.temperature < 0:
-            raise InvalidArgumentError("temperature", f"must be >= 0, got {spec.temperature}")
-        if not 0.0 < spec.top_p <= 1.0:
-            raise InvalidArgumentError("top_p", f"must be in (0, 1], got {spec.top_p}")
-        if spec.top_k < 0:
-            raise InvalidArgumentError("top_k", f"must be >= 0, got {spec.top_k}")
+        for key, bad, want in (("max_tokens", spec.max_tokens < 0, ">= 0"),
+                               ("temperature", spec.temperature < 0, ">= 0"),
+                               ("top_p", not 0.0 < spec.top_p <= 1.0, "in (0, 1]"), ("top_k", spec.top_k < 0, ">= 0")):
+            if bad:
+                raise InvalidArgumentError(key, f"must be {want}, got {getattr(spec, key)}")
         return SamplingParams(
             max_tokens=spec.max_tokens or self.default_max_tokens,
             temperature=float(spec.temperature),
@@ -448,13 +446,18 @@ class VLLMBackend:
             internal = self._int_of.pop(request_id, None)
             if internal is None:
                 return False
-            self._ext_of.pop(internal, None)
-            self._streaming.discard(request_id)
-            self._unstall()
             if not self._closed:
                 self.engine.abort_request([internal], internal=True)
-            self._forget(request_id)
+            self._retire(request_id, internal)
         return True
+
+    def _retire(self, request_id: str, internal: str) -> None:
+        """A request left the engine (engine lock held): its bookkeeping goes."""
+        self._unstall()
+        self._ext_of.pop(internal, None)
+        self._streaming.discard(request_id)
+        self._delivered.pop(request_id, None)
+        self._forget(request_id)
 
     def has_unfinished(self) -> bool:
         """Whether ``step()`` has work: False also while every unfinished
@@ -525,9 +528,7 @@ class VLLMBackend:
             for ext in finished:
                 internal = self._int_of.pop(ext, None)
                 if internal is not None:
-                    self._ext_of.pop(internal, None)
-                    self._streaming.discard(ext)
-                    self._forget(ext)
+                    self._retire(ext, internal)
         self.steps += 1
         outs = [
             self._build(cap, live, ext_ids, finished, text, engine_ids)
@@ -556,7 +557,8 @@ class VLLMBackend:
     ) -> VLLMStepOutput:
         """The step's output, dead / discarded / placeholder rows dropped
         (``.step_assembly.build_step``)."""
-        out, dropped = build_step(cap, live, ext_ids, finished, text, engine_ids, is_talker=self.is_talker)
+        out, dropped = build_step(cap, live, ext_ids, finished, text, engine_ids, is_talker=self.is_talker,
+                                  delivered=self._delivered)
         self.dropped_rows += dropped
         return out
 
@@ -583,11 +585,8 @@ class VLLMBackend:
             if self._closed:
                 return
             self._closed = True
-            self._ext_of.clear()
-            self._int_of.clear()
-            self._streaming.clear()
-            self._captured.clear()
-            self._ready.clear()
+            for held in (self._ext_of, self._int_of, self._streaming, self._captured, self._ready, self._delivered):
+                held.clear()
             with FORWARD_LOCK:
                 try:
                     self._hook.remove()

@@ -1,4 +1,4 @@
-"""A backend's tap on its engine's scheduler: step alignment, steps in flight, held requests.
+"""A backend's tap on its engine's scheduler: step alignment, steps in flight, held requests, preemptions.
 
 The step hook fires inside the runner, right after sampling; the engine's
 ``RequestOutput`` s (finish reasons, detokenized text) come from
@@ -31,14 +31,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from decoder_svc import metrics
 from omni_common.errors import FailedPreconditionError
 
 
 class SchedulerTap:
     """Wraps an in-process engine's scheduler (module docstring)."""
 
-    def __init__(self, engine: Any, held: Callable[[Any], set[str]]) -> None:
-        """held(scheduler): internal ids of the running requests to hold this step."""
+    def __init__(self, engine: Any, held: Callable[[Any], set[str]], stage: str = "") -> None:
+        """held(scheduler): internal ids of the running requests to hold this step;
+        stage: the label of its preemptions (``omni_decoder_preemptions_total``)."""
         core = getattr(engine.engine_core, "engine_core", None)
         if core is None:  # pragma: no cover - make_engine is always in-process
             raise FailedPreconditionError("VLLMBackend needs an in-process engine core")
@@ -48,6 +50,9 @@ class SchedulerTap:
         # the last schedule held requests and scheduled nothing: no step can make
         # progress until input arrives, a request is added or one is aborted
         self.stalled = False
+        # requests the scheduler preempted (KV freed for others; recomputed when they resume)
+        self.preemptions = 0
+        preempted = metrics.PREEMPTIONS.labels(stage)
         orig = sched.update_from_output
         orig_schedule = sched.schedule
         updated = self.updated
@@ -80,6 +85,9 @@ class SchedulerTap:
                     sched.running = [r for r in before if r.request_id in hold or id(r) in kept] + [
                         r for r in after if id(r) not in known
                     ]
+            if out.preempted_req_ids:
+                self.preemptions += len(out.preempted_req_ids)
+                preempted.inc(len(out.preempted_req_ids))
             if out.total_num_scheduled_tokens > 0:
                 in_flight[id(out)] = out
             # Held requests fill the batch (or keep KV blocks a waiting request

@@ -119,6 +119,7 @@ class Captured:
     row_ok: torch.Tensor  # [n] bool (host): a token was sampled and kept
     all_ok: bool  # row_ok.all()
     num_scheduled: torch.Tensor  # [n] int32 (host)
+    computed: torch.Tensor  # [n] int32 (host): each request's tokens in KV before the step
     query_start_loc: torch.Tensor  # [n + 1] int32 (host)
     tokens: torch.Tensor  # [n, 1] int64 (host): the row's last accepted token
     accepted: torch.Tensor | None  # [n, S] int64 (host; -1 = none), only when S > 1
@@ -195,6 +196,7 @@ def take_capture(
         row_ok=row_ok,
         all_ok=bool(row_ok.all()),
         num_scheduled=cap.num_scheduled_tokens,
+        computed=cap.num_computed_tokens,
         query_start_loc=cap.query_start_loc,
         tokens=tokens,
         accepted=accepted,
@@ -213,16 +215,21 @@ def build_step(
     engine_ids: dict[str, list[int]],
     *,
     is_talker: bool,
+    delivered: dict[str, int] | None = None,
 ) -> tuple[VLLMStepOutput, int]:
     """(the step's output, rows dropped): batched row selection, dropping
-    dead / discarded / placeholder rows.
+    dead / discarded / placeholder rows, and the token rows of positions a
+    request delivered before (``delivered``, see :func:`_recomputed_rows`).
 
     Critical path: when every row is kept (the common step) the capture's
     tensors are handed on as they are; otherwise rows are picked with one
     index per device. Per-request lists and dicts are lazy."""
     n_all = len(cap.req_ids)
     dropped = 0
-    if cap.all_ok and all(live):
+    again = None
+    if delivered is not None and (cap.hidden is not None or cap.extra):
+        again = _recomputed_rows(cap, live, ext_ids, delivered)
+    if again is None and cap.all_ok and all(live):
         request_ids = ext_ids
         rows: Any = LazyList(lambda: range(n_all))
         nst, qsl, tokens = cap.num_scheduled, cap.query_start_loc, cap.tokens
@@ -234,10 +241,13 @@ def build_step(
         dropped = n_all - len(rows)
         request_ids = [ext_ids[i] for i in rows]
         nst = cap.num_scheduled[idx]
+        starts = cap.query_start_loc[:-1][idx].to(torch.int64)
+        if again is not None:  # a recompute's rows of positions delivered before: not again
+            nst = nst - again[idx]
+            starts = starts + again[idx]
         qsl = torch.zeros(len(rows) + 1, dtype=torch.int32)
         qsl[1:] = torch.cumsum(nst, 0)
         # token rows of the kept requests, in order: [sum(nst)] int64
-        starts = cap.query_start_loc[:-1][idx].to(torch.int64)
         tok_idx = torch.arange(int(qsl[-1]), dtype=torch.int64) + torch.repeat_interleave(
             starts - qsl[:-1].to(torch.int64), nst.to(torch.int64)
         )
@@ -285,6 +295,35 @@ def build_step(
         engine_step=cap.step_index,
     )
     return out, dropped
+
+
+def _recomputed_rows(cap: Captured, live: list[bool], ext_ids: list[str],
+                     delivered: dict[str, int]) -> torch.Tensor | None:
+    """Per row [n] int32: how many of its first token rows are of positions
+    its request delivered before (None when no row has any).
+
+    A request the engine preempted lost its KV; when it resumes, its prompt
+    and every token decoded so far are computed again in one step. Their
+    per-token rows (hidden rows, extras) were handed on the first time: a
+    consumer gets each position's row once, as first computed (the thinker's
+    rows that condition the talker stay the ones its decode steps saw).
+    ``delivered`` (external id -> positions delivered, kept by the caller
+    while the request lives) is updated for the kept rows."""
+    computed = cap.computed.tolist()
+    counts = cap.num_scheduled.tolist()
+    ok = cap.row_ok.tolist()
+    again = None
+    for i, rid in enumerate(ext_ids):
+        if not (live[i] and ok[i]):
+            continue
+        start, end = computed[i], computed[i] + counts[i]
+        seen = delivered.get(rid, 0)
+        if seen > start:
+            if again is None:
+                again = torch.zeros(len(ext_ids), dtype=torch.int32)
+            again[i] = min(seen, end) - start
+        delivered[rid] = max(seen, end)
+    return again
 
 
 def pop_capture(captured: deque[Captured], key: Any) -> tuple[Captured | None, int]:
