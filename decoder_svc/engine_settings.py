@@ -22,6 +22,10 @@ allowed range:
 ``EffectiveSettings.vllm_kwargs`` is what reaches vLLM's ``EngineArgs``;
 ``EffectiveSettings.report`` is what ``GetDecoderInfo`` and ``/v1/models``
 show.
+
+The generation stage (code2wav, not on vLLM) takes two of the keys,
+``device`` and ``dtype`` (:data:`VOCODER_KEYS`, :func:`resolve_vocoder`); an
+override item without ``STAGE.`` reaches it for those two keys only.
 """
 
 from __future__ import annotations
@@ -51,6 +55,9 @@ __all__ = [
     "parse_settings",
     "share_a_device",
     "resolve",
+    "resolve_vocoder",
+    "check_vocoder_keys",
+    "VOCODER_KEYS",
 ]
 
 log = logging.getLogger(__name__)
@@ -232,6 +239,39 @@ def apply_overrides(stages: Mapping[str, EngineSettings], overrides: Iterable[tu
             out[name] = _consistent(dataclasses.replace(out[name], **{key: _check_value(where, key, value)}),
                                     f"{source} {name}")
     return out
+
+
+VOCODER_KEYS = ("device", "dtype")
+"""The engine settings the generation stage (code2wav) takes."""
+
+
+def check_vocoder_keys(keys: Iterable[str], where: str, stage: str) -> None:
+    """Refuse a key of the generation stage's settings other than :data:`VOCODER_KEYS`."""
+    for key in keys:
+        if key not in VOCODER_KEYS:
+            raise InvalidArgumentError(f"{where}.{key}", f"stage {stage}: the generation stage (code2wav, not on "
+                                       f"vLLM) takes {' and '.join(VOCODER_KEYS)} only")
+
+
+def resolve_vocoder(settings: EngineSettings, *, stage: str, platform: str) -> tuple[str, str]:
+    """(device, dtype) the generation stage's vocoder runs in, on `platform`
+    ("cuda" where torch sees a CUDA device in the decoder's process, else
+    "cpu"): ``device: auto`` is ``cuda`` (the first device the process sees)
+    there, else ``cpu``; ``dtype: auto`` is bfloat16 on CUDA and float32 on
+    CPU (where the vocoder's parity is measured)."""
+    device = settings.device
+    if device == AUTO:
+        device = "cuda" if platform == "cuda" else "cpu"
+    if device.startswith("cuda") and platform != "cuda":
+        raise InvalidArgumentError(f"engine.{stage}.device",
+                                   f"stage {stage}: {device} asked for, but the decoder's process sees no CUDA device")
+    dtype = settings.dtype
+    if dtype == AUTO:
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    if dtype == "float16" and not device.startswith("cuda"):
+        raise InvalidArgumentError(f"engine.{stage}.dtype", f"stage {stage}: float16 runs on CUDA only; "
+                                   "on CPU use float32 or bfloat16")
+    return device, dtype
 
 
 def cuda_index(device: str) -> int | None:

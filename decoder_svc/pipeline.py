@@ -391,5 +391,7 @@ class Pipeline:
                 info.output_path = decoder_pb2.OUTPUT_PATH_SYNC
                 info.reason = "generation stage: outputs built by its own worker"
                 info.steps = self.code2wav.chunks
+                placement = {k: getattr(self.vocoder, k, None) for k in ("device", "dtype")}  # a model's vocoder
+                info.engine_settings.update({k: str(v) for k, v in placement.items() if isinstance(v, str)})
             infos.append(info)
         return infos

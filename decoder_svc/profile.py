@@ -17,8 +17,10 @@ import yaml
 
 from decoder_svc.engine_settings import (
     ENV_VAR,
+    VOCODER_KEYS,
     EngineSettings,
     apply_overrides,
+    check_vocoder_keys,
     env_overrides,
     parse_settings,
 )
@@ -176,8 +178,16 @@ class Profile:
         stages' engine settings, checked; `source` names them in errors."""
         if not overrides:
             return self
-        settings = apply_overrides({s.name: s.engine for s in self.ar_stages}, overrides, source)
-        stages = tuple(dataclasses.replace(s, engine=settings[s.name]) if s.kind == "ar" else s
+        vocoders = {s.name: s for s in self.stages if s.kind == "generation"}
+        for stage, key, _ in overrides:
+            if stage in vocoders:
+                check_vocoder_keys([key], f"{source} {stage}", stage)
+        settings = apply_overrides({s.name: s.engine for s in self.ar_stages},
+                                   [o for o in overrides if o[0] not in vocoders], source)
+        for name, s in vocoders.items():  # device and dtype: its own items and those without STAGE.
+            settings |= apply_overrides({name: s.engine}, [(st, k, v) for st, k, v in overrides
+                                                           if st == name or (not st and k in VOCODER_KEYS)], source)
+        stages = tuple(dataclasses.replace(s, engine=settings[s.name]) if s.name in settings else s
                        for s in self.stages)
         return dataclasses.replace(self, stages=stages)
 
@@ -284,7 +294,9 @@ def _stage_from_dict(i: int, raw: dict[str, Any]) -> StageConfig:
             f"stage {raw['name']}: must be one of {EXECUTOR_BACKENDS} (or left unset), got {backend!r}",
         )
     if raw["kind"] != "ar":
-        for key in (*PARALLEL_KEYS, "engine"):
+        if isinstance(raw.get("engine"), Mapping):
+            check_vocoder_keys(raw["engine"], f"{where}.engine", raw["name"])
+        for key in (*PARALLEL_KEYS, *(("engine",) if raw["kind"] != "generation" else ())):
             if key in raw:
                 raise InvalidArgumentError(
                     f"{where}.{key}", f"stage {raw['name']}: only AR stages run on vLLM"

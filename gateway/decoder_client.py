@@ -122,7 +122,7 @@ class DecoderInfo:
     supports_instructions: bool = False
     model: str = ""
     engine_settings: dict[str, dict[str, str]] = field(default_factory=dict)
-    """The AR stages' engine settings as built, by stage name (`StageInfo.engine_settings`)."""
+    """The stages' engine settings as built (code2wav: device and dtype), by stage name (`StageInfo.engine_settings`)."""
 
     @classmethod
     def from_pb(cls, pb: decoder_pb2.GetDecoderInfoResponse) -> DecoderInfo:

@@ -5,7 +5,7 @@ A deployment serves one model. Its card is OpenAI's model object (``id``,
 from the decoder's `DecoderInfo`: ``profile``, ``modalities``, ``voices``,
 ``sample_rate_hz``, ``limits`` (every `DeploymentLimits` field),
 ``supports_instructions`` and ``engine_settings`` (each AR stage's engine
-settings as built, by stage name: `StageInfo.engine_settings`). ``created`` is when this gateway started. The id
+settings as built, and code2wav's device and dtype, by stage name: `StageInfo.engine_settings`). ``created`` is when this gateway started. The id
 is `gateway.http_common.model_id` (the decoder's model name, or
 ``omni-serving``), the one chat completions answer with.
 """

@@ -24,7 +24,9 @@ Checks:
   (float32 both; cuDNN sums in another order), a chunked stream (5, 10, then
   25 frames) within 1e-4 of the device's whole decode, and ragged chunks of
   four streams decoded together (``push_many``) within 1e-4 of each stream
-  decoded alone; eight 25-frame chunks one by one vs together (reported).
+  decoded alone; its bfloat16 weights on the device (code2wav's ``dtype:
+  auto`` on CUDA) within 0.1 of float32 on the CPU (about 0.02 on CPU);
+  eight 25-frame chunks one by one vs together (reported).
 """
 
 from __future__ import annotations
@@ -219,6 +221,11 @@ def check_code2wav(cfg: dict, device: torch.device) -> str:
         start += size
     d_stream = _max_diff(torch.cat(pieces), whole)
     expect(d_stream <= 1e-4, f"chunked stream vs whole decode on {device}: max |diff| {d_stream:.2e} > 1e-4")
+    # bfloat16 weights on the device (code2wav's dtype auto on CUDA) vs float32 on the CPU
+    half = Code2Wav.from_config_and_tensors(config, random_tensors(config, seed=3), device=device,
+                                            dtype=torch.bfloat16)
+    d_half = _max_diff(half.decode(codes[0]), cpu.decode(codes[0]))
+    expect(d_half <= 0.1, f"bfloat16 decode on {device} vs float32 on the CPU: max |diff| {d_half:.2e} > 0.1")
     # ragged chunks of four streams together vs each alone, on the device
     alone = [dev.decode(c.to(device)) for c in codes]
     streams, got, done = [dev.new_stream() for _ in codes], [[] for _ in codes], [0] * len(codes)
@@ -252,7 +259,8 @@ def check_code2wav(cfg: dict, device: torch.device) -> str:
             _sync(device)
             best = min(best, time.perf_counter() - t0)
         times.append(best * 1e3)
-    return (f"vs CPU {d:.1e}, chunked {d_stream:.1e}, together vs alone {worst:.1e}; 8 chunks of 25 frames: "
+    return (f"vs CPU {d:.1e}, bfloat16 vs CPU float32 {d_half:.1e}, chunked {d_stream:.1e}, together vs alone "
+            f"{worst:.1e}; 8 chunks of 25 frames: "
             f"one by one {times[0]:.1f} ms, together {times[1]:.1f} ms")
 
 

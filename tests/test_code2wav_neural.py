@@ -12,6 +12,7 @@ names.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -265,3 +266,47 @@ def test_left_context_measurement(models, codes, whole):
     assert small.shape == full.shape
     assert (small[: 25 * 1920 - 555] - full[: 25 * 1920 - 555]).abs().max().item() <= 1e-5
     assert (small - full).abs().max().item() > 1e-2
+
+
+def test_a_stream_on_an_accelerator_keeps_its_work_there(models, codes, monkeypatch):
+    """Weights on a device (the fake accelerator of tests/fake_device.py):
+    every op runs there, codes are checked on the host and moved once, and
+    each push reads its audio back once, as float32 on the host, equal to
+    the host model's (within float rounding). (Inference mode becomes no_grad here: the fake
+    device's wrapper tensors cannot be inference tensors.)"""
+    sys.path.insert(0, str(Path(__file__).parent))
+    monkeypatch.setattr(torch, "inference_mode", torch.no_grad)
+    from fake_device import FakeDeviceMode, module_to_device
+
+    _, ours, config, tensors = models
+    model = module_to_device(Code2Wav.from_config_and_tensors(config, tensors))
+    mode = FakeDeviceMode()
+    with mode:
+        stream = model.new_stream()
+        pieces = [stream.push(codes[:3]), stream.push(codes[3:7]), model.decode(codes[:7])]
+    assert mode.mixed == [], "ops mixed devices:\n" + "\n".join(mode.mixed)
+    assert len(mode.syncs) == 3, f"one device-to-host read per push / decode: {mode.syncs}"
+    assert all(type(p) is torch.Tensor and p.dtype == torch.float32 for p in pieces)
+    host = ours.new_stream()
+    # within float rounding: the fake device's tensors reach the kernels with other strides
+    torch.testing.assert_close(torch.cat(pieces[:2]), torch.cat([host.push(codes[:3]), host.push(codes[3:7])]),
+                               rtol=0, atol=1e-6)
+    torch.testing.assert_close(pieces[2], ours.decode(codes[:7]), rtol=0, atol=1e-6)
+
+
+def test_bfloat16_weights_decode_close_to_float32(models, codes, whole):
+    """dtype bfloat16 (code2wav's `auto` on CUDA; asked for on CPU): the
+    weights in bfloat16, the audio float32 on the host, within 0.05 of the
+    float32 decode at every sample here (random weights; measured about
+    0.01). Streaming in bfloat16 gives its whole decode's samples within the
+    same bound."""
+    _, _, config, tensors = models
+    half = Code2Wav.from_config_and_tensors(config, tensors, dtype=torch.bfloat16)
+    assert half.dtype == torch.bfloat16 and half.device.type == "cpu"
+    got = half.decode(codes[:60])
+    assert got.dtype == torch.float32 and got.shape == whole[60].shape
+    err = (got - whole[60]).abs().max().item()
+    assert 0 < err < 0.05, err
+    stream = half.new_stream()
+    streamed = torch.cat([stream.push(codes[i:i + 20]) for i in range(0, 60, 20)])
+    assert (streamed - whole[60][: streamed.shape[0]]).abs().max().item() < 0.05

@@ -18,6 +18,7 @@ from decoder_svc.engine_settings import (
     parse_overrides,
     parse_settings,
     resolve,
+    resolve_vocoder,
 )
 from decoder_svc.profile import load_profile
 from omni_common.errors import InvalidArgumentError
@@ -116,9 +117,61 @@ def test_a_profile_engine_section_is_checked(tmp_path):
     err = _error(load_profile, str(bad), environ={})
     assert err.field == "stages[0].engine.dtype"
     gen = tmp_path / "gen.yaml"
-    gen.write_text(text.replace("    kind: generation\n", "    kind: generation\n    engine: {dtype: float32}\n"))
+    gen.write_text(text.replace("    kind: generation\n", "    kind: generation\n    engine: {max_num_seqs: 4}\n"))
     err = _error(load_profile, str(gen), environ={})
-    assert err.field == "stages[1].engine" and "only AR stages" in str(err)
+    assert err.field == "stages[1].engine.max_num_seqs" and "takes device and dtype only" in str(err)
+
+
+def test_the_generation_stage_takes_device_and_dtype(tmp_path):
+    """code2wav's device and dtype: in its profile section, by its name, or
+    by an item without STAGE. (which its other keys do not reach)."""
+    text = (Path(__file__).parents[1] / "decoder_svc" / "profiles" / "tts.yaml").read_text()
+    gen = tmp_path / "gen.yaml"
+    gen.write_text(text.replace("    kind: generation\n", "    kind: generation\n    engine: {dtype: bfloat16}\n"))
+    code2wav = load_profile(str(gen), environ={}).stage("code2wav").engine
+    assert (code2wav.device, code2wav.dtype) == ("auto", "bfloat16")
+    env = {"OMNI_ENGINE_SET": "max_num_seqs=6,dtype=float32,code2wav.device=cpu"}
+    profile = load_profile(str(gen), environ=env)
+    code2wav, talker = profile.stage("code2wav").engine, profile.stage("talker").engine
+    assert (code2wav.device, code2wav.dtype, code2wav.max_num_seqs) == ("cpu", "float32", 64)
+    assert (talker.max_num_seqs, talker.dtype) == (6, "float32")
+    err = _error(load_profile, str(gen), environ={"OMNI_ENGINE_SET": "code2wav.max_model_len=512"})
+    assert err.field == "OMNI_ENGINE_SET code2wav.max_model_len" and "device and dtype only" in str(err)
+
+    assert resolve_vocoder(EngineSettings(), stage="code2wav", platform="cpu") == ("cpu", "float32")
+    assert resolve_vocoder(EngineSettings(), stage="code2wav", platform="cuda") == ("cuda", "bfloat16")
+    assert resolve_vocoder(EngineSettings(device="cuda:1", dtype="float32"), stage="code2wav",
+                           platform="cuda") == ("cuda:1", "float32")
+    assert resolve_vocoder(EngineSettings(dtype="bfloat16"), stage="code2wav", platform="cpu") == ("cpu", "bfloat16")
+    err = _error(resolve_vocoder, EngineSettings(device="cuda"), stage="code2wav", platform="cpu")
+    assert err.field == "engine.code2wav.device" and "sees no CUDA device" in str(err)
+    err = _error(resolve_vocoder, EngineSettings(dtype="float16"), stage="code2wav", platform="cpu")
+    assert err.field == "engine.code2wav.dtype"
+
+
+def test_the_vocoder_is_built_and_rebuilt_in_its_dtype(tmp_path):
+    """The checkpoint's vocoder in the generation stage's dtype; a code2wav
+    worker rebuilds it from its spec in the same dtype."""
+    import importlib
+
+    import numpy as np
+    import torch
+
+    from decoder_svc.qwen3_omni.engine import build_front
+    from decoder_svc.qwen3_omni.tiny import create_tiny_checkpoint
+
+    ckpt = create_tiny_checkpoint(tmp_path / "tiny")
+    profile = load_profile("tts", environ={"OMNI_ENGINE_SET": "code2wav.dtype=bfloat16"})
+    vocoder = build_front(profile, ckpt).vocoder
+    assert (vocoder.device, vocoder.dtype, vocoder.model.dtype) == ("cpu", "bfloat16", torch.bfloat16)
+    path, kwargs = vocoder.worker_spec()
+    module, name = path.split(":")
+    rebuilt = getattr(importlib.import_module(module), name)(**kwargs)
+    assert rebuilt.model.dtype == torch.bfloat16
+    codes = np.random.default_rng(0).integers(0, vocoder.codebook_size, (6, vocoder.num_codebooks))
+    audio = rebuilt.new_stream("default").push(codes)
+    assert audio.dtype == np.float32 and np.array_equal(audio, vocoder.new_stream("default").push(codes))
+    assert build_front(load_profile("tts", environ={}), ckpt).vocoder.model.dtype == torch.float32
 
 
 def test_resolve_on_cpu():

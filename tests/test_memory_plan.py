@@ -101,6 +101,25 @@ def test_a_share_too_small_for_its_stage_names_the_share_it_needs(ckpt):
                     host_available=64 * GiB, device_totals=tiny_device)
 
 
+def test_code2wav_on_a_device_fits_beside_the_stages_shares(ckpt):
+    """code2wav on CUDA: one copy of its weights per worker, in its dtype, in
+    what the AR stages' shares leave on that device; the host then holds only
+    the workers' runtime."""
+    weights = ckpt.numel("code2wav.") * 2  # bfloat16
+    total = int(weights * 3 / (0.95 - 0.6)) + 1  # room for 3 copies beside a 0.6 share
+    thinker = [("thinker", "thinker", _cuda(0.6))]
+    plan = plan_memory(ckpt, thinker, code2wav_workers=3, host_available=64 * GiB,
+                       device_totals={"cuda:0": total}, code2wav=("cuda", "bfloat16"))
+    c = plan.stages[-1]
+    assert (c.device, c.weights, c.copies, c.runtime) == ("cuda", weights, 3, 0)
+    assert plan.host_needed == RUNTIME_BYTES["decoder"] + RUNTIME_BYTES["stage"] + 3 * RUNTIME_BYTES["code2wav"]
+    with pytest.raises(PlanRefused) as err:
+        plan_memory(ckpt, thinker, code2wav_workers=4, host_available=64 * GiB, device_totals={"cuda:0": total},
+                    code2wav=("cuda", "bfloat16"))
+    msg = str(err.value)
+    assert "code2wav on cuda:0: 4 copies" in msg and "shares (0.60)" in msg and "code2wav.device" in msg
+
+
 @pytest.mark.vllm
 def test_the_family_plans_the_profile_on_this_host(ckpt):
     pytest.importorskip("vllm")

@@ -162,8 +162,9 @@ def test_engine_settings_reach_the_engine_and_are_reported(tmp_path_factory, che
                               engine_set="talker.max_num_seqs=8, talker.kv_cache_memory=48MiB,max_model_len=1024"))
     stack.start(timeout_s=300)
     try:
-        (talker,) = decoder_info(stack).stages[:1]
+        talker, code2wav = decoder_info(stack).stages[:2]
         settings = dict(talker.engine_settings)
+        assert dict(code2wav.engine_settings) == {"device": "cpu", "dtype": "float32"}
         assert {k: settings[k] for k in ("max_num_seqs", "kv_cache_memory", "max_model_len", "dtype",
                                          "device", "enforce_eager", "enable_chunked_prefill")} == {
             "max_num_seqs": "8", "kv_cache_memory": str(48 * 2**20), "max_model_len": "1024",
@@ -171,7 +172,7 @@ def test_engine_settings_reach_the_engine_and_are_reported(tmp_path_factory, che
         }, settings
         with urllib.request.urlopen(f"{stack.http_url}/v1/models", timeout=30) as resp:
             (card,) = json.load(resp)["data"]
-        assert card["engine_settings"] == {"talker": settings}
+        assert card["engine_settings"] == {"talker": settings, "code2wav": {"device": "cpu", "dtype": "float32"}}
         assert check_chunks(speak_chunks(stack.gateway_target, PROMPTS[0][0], PROMPTS[0][1]))
     finally:
         assert stack.stop() == []

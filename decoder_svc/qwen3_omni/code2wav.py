@@ -136,8 +136,13 @@ class Code2Wav(nn.Module):
         config: Mapping[str, Any],
         tensors: Mapping[str, torch.Tensor],
         prefix: str = "code2wav.",
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
     ) -> Code2Wav:
-        """Build from a ``code2wav_config`` dict and checkpoint tensors (kept as float32 on CPU)."""
+        """Build from a ``code2wav_config`` dict and checkpoint tensors, its
+        weights on `device` in `dtype` (derived buffers -- rotary
+        frequencies, code offsets -- stay float32)."""
         cfg = Code2WavConfig.from_dict(config)
         with torch.device("meta"):
             model = cls(cfg)
@@ -152,7 +157,7 @@ class Code2Wav(nn.Module):
                 raise ValueError(
                     f"code2wav: tensor {key!r} has shape {tuple(tensor.shape)}, expected {shape}"
                 )
-            state[name] = tensor.detach().to(device="cpu", dtype=torch.float32).contiguous()
+            state[name] = tensor.detach().to(device=device, dtype=dtype).contiguous()
         unexpected = sorted(
             key
             for key in tensors
@@ -167,6 +172,14 @@ class Code2Wav(nn.Module):
         model.load_state_dict(state, strict=True, assign=True)
         model.requires_grad_(False)
         return model.eval()
+
+    @property
+    def device(self) -> torch.device:
+        return self.code_embedding.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.code_embedding.weight.dtype
 
     # ---------------------------------------------------------- decoding
 
@@ -194,12 +207,12 @@ class Code2Wav(nn.Module):
 
     def decode(self, codes: torch.Tensor) -> torch.Tensor:
         """codes int [T, Q] -> float32 [T * samples_per_frame - tail_samples], in [-1, 1]."""
-        codes = self._check_codes(codes, "decode")
+        codes = self._check_codes(codes, "decode").to(self.device)
         with torch.inference_mode():
             h = self.pre_transformer(self._embed(codes)).permute(0, 2, 1)
             for layer in self._conv_stack():
                 h = layer(h)
-            return h.clamp(min=-1, max=1)[0, 0]
+            return h.clamp(min=-1, max=1)[0, 0].to("cpu", torch.float32)
 
     def forward(self, codes: torch.Tensor) -> torch.Tensor:
         return self.decode(codes)
@@ -219,12 +232,12 @@ class Code2WavStream:
         self._convs = _ChainStream([layer.new_stream() for layer in model._conv_stack()])
 
     def push(self, codes: torch.Tensor) -> torch.Tensor:
-        """codes int [n >= 1, Q] -> float32 samples [emitted so far, frames * spf - tail)."""
+        """codes int [n >= 1, Q] (any device) -> float32 samples on the host [emitted so far, frames * spf - tail)."""
         model = self.model
-        codes = model._check_codes(codes, "push")
+        codes = model._check_codes(codes, "push").to(model.device)
         with torch.inference_mode():
             h = self._transformer.push(model._embed(codes)).permute(0, 2, 1)
-            wav = self._convs.push(h).clamp(min=-1, max=1)[0, 0]
+            wav = self._convs.push(h).clamp(min=-1, max=1)[0, 0].to("cpu", torch.float32)
         self.frames += codes.shape[0]
         self.samples += wav.shape[0]
         expected = self.frames * model.samples_per_frame - model.tail_samples

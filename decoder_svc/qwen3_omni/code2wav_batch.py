@@ -74,12 +74,13 @@ def push_many(streams: Sequence[Code2WavStream], codes: Sequence[torch.Tensor]) 
     padded = checked[0].new_zeros(len(checked), max(lengths), model.num_quantizers)
     for i, c in enumerate(checked):
         padded[i, : c.shape[0]] = c
+    padded = padded.to(model.device)
     with torch.inference_mode():
         ids = padded.transpose(1, 2) + model.code_offset.to(padded.device)[None, :, None]  # [B, Q, T]
         h = model.code_embedding(ids).mean(1)  # [B, T, hidden]
         h = _transformer([s._transformer for s in streams], h, lengths).permute(0, 2, 1)
         h, out = _push([s._convs for s in streams], h, lengths)
-        wav = h.clamp(min=-1, max=1)
+        wav = h.clamp(min=-1, max=1).to("cpu", torch.float32)  # the audio's one device-to-host copy
     pieces = []
     for i, s in enumerate(streams):
         piece = wav[i, 0, : out[i]].clone()

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from decoder_svc.backend import RequestSpec
-from decoder_svc.engine_settings import EffectiveSettings, resolve
+from decoder_svc.engine_settings import EffectiveSettings, EngineSettings, resolve, resolve_vocoder
 from decoder_svc.profile import Profile
 from omni_common.errors import InvalidArgumentError
 from omni_common.materialize import sources_of
@@ -224,6 +224,26 @@ def _speakers(checkpoint: OmniCheckpoint) -> tuple[str, ...]:
     return tuple(str(k).lower() for k in checkpoint.talker_config["speaker_id"])
 
 
+def vocoder_placement(profile: Profile, *, log_it: bool = False) -> tuple[str, str]:
+    """(device, dtype) of the profile's generation stage (code2wav): its
+    ``engine:`` device and dtype, resolved for this process
+    (``decoder_svc.engine_settings.resolve_vocoder``)."""
+    import torch
+
+    gen = next((s for s in profile.stages if s.kind == "generation"), None)
+    name = gen.name if gen is not None else "code2wav"
+    placement = resolve_vocoder(gen.engine if gen is not None else EngineSettings(), stage=name,
+                                platform="cuda" if torch.cuda.is_available() else "cpu")
+    if log_it:
+        log.info("stage %s: code2wav on %s in %s", name, *placement)
+    return placement
+
+
+def _vocoder(checkpoint: OmniCheckpoint, profile: Profile) -> CheckpointVocoder:
+    device, dtype = vocoder_placement(profile, log_it=True)
+    return NeuralVocoder(str(checkpoint.path), _speakers(checkpoint), checkpoint=checkpoint, device=device, dtype=dtype)
+
+
 def build_front(profile: Profile, model: str | Path | None = None, *, max_model_len: int = 0) -> EngineFront:
     """Open the checkpoint (default: the tiny one in the model cache, created
     on first use) and build the vocoder and the prompts, no engine. The
@@ -234,7 +254,7 @@ def build_front(profile: Profile, model: str | Path | None = None, *, max_model_
     first = profile.ar_stages[0]
     return EngineFront(
         checkpoint,
-        NeuralVocoder(str(checkpoint.path), _speakers(checkpoint), checkpoint=checkpoint),
+        _vocoder(checkpoint, profile),
         ChatPrompts(checkpoint, max_model_len=max_model_len),
         first.engine_role or first.name,
     )
@@ -262,7 +282,7 @@ def build_engine(
                 checkpoint, stage, max_num_seqs=max_num_seqs, seed=seed, max_model_len=max_model_len,
                 **backend_kwargs,
             )
-        vocoder = NeuralVocoder(str(checkpoint.path), _speakers(checkpoint), checkpoint=checkpoint)
+        vocoder = _vocoder(checkpoint, profile)
         prompts = ChatPrompts(checkpoint, max_model_len=backends[profile.ar_stages[0].name].max_model_len)
     except BaseException:
         for b in backends.values():

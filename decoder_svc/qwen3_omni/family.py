@@ -23,7 +23,7 @@ from omni_common.errors import InvalidArgumentError
 from .cache import default_model_dir
 from .checkpoint import CheckpointError, OmniCheckpoint
 from .engine import build_engine as build_qwen3_omni
-from .engine import build_front, kv_elements_per_token, stage_settings
+from .engine import build_front, kv_elements_per_token, stage_settings, vocoder_placement
 from .engine import build_stage_backend as build_backend
 from .memory_plan import MemoryPlan, PlanRefused, plan_memory
 
@@ -67,9 +67,10 @@ def memory_plan(checkpoint: OmniCheckpoint, profile: Profile, *, code2wav_worker
                                                         max_num_seqs=max_num_seqs)))
     kv_bytes = {name: kv_elements_per_token(checkpoint, role) * (4 if eff.dtype == "float32" else 2)
                 for name, role, eff in stages}
-    totals = cuda_totals() if any(eff.on_cuda for _, _, eff in stages) else {}
+    code2wav = vocoder_placement(profile)
+    totals = cuda_totals() if any(eff.on_cuda for _, _, eff in stages) or code2wav[0] != "cpu" else {}
     return plan_memory(checkpoint, stages, code2wav_workers=code2wav_workers, host_available=host_available(),
-                       device_totals=totals, kv_bytes_per_token=kv_bytes)
+                       device_totals=totals, kv_bytes_per_token=kv_bytes, code2wav=code2wav)
 
 
 def host_available() -> int:

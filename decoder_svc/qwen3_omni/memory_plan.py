@@ -110,6 +110,25 @@ def _ar_memory(checkpoint: OmniCheckpoint, name: str, role: str, eff: EffectiveS
     return StageMemory(name, eff.device, weights, kv, activations, 0, share=eff.gpu_memory_utilization)
 
 
+def _check_vocoder_device(vocoder: StageMemory, ar: list[tuple[StageMemory, EffectiveSettings]],
+                          device_totals: Mapping[str, int]) -> None:
+    """Code2wav on a CUDA device: its weights (one copy per worker) fit in
+    what the AR stages' shares leave on that device, less a margin for the
+    processes' CUDA contexts (MAX_DEVICE_SHARE)."""
+    device = _device_key(vocoder.device)
+    total = device_totals.get(device, 0)
+    if total <= 0:
+        raise PlanRefused(f"{device}: its total memory is not known (is the device there?)")
+    shares = sum(s.share for s, _ in ar if s.device != "cpu" and _device_key(s.device) == device)
+    room = int((MAX_DEVICE_SHARE - shares) * total)
+    if vocoder.total > room:
+        raise PlanRefused(
+            f"code2wav on {device}: {vocoder.copies} cop{'y' if vocoder.copies == 1 else 'ies'} of its weights "
+            f"{_gib(vocoder.total)} do not fit in the {_gib(max(room, 0))} the AR stages' shares ({shares:.2f}) "
+            f"leave: lower their gpu_memory_utilization, use fewer code2wav workers, or put code2wav on "
+            "another device (engine setting code2wav.device)")
+
+
 def plan_memory(
     checkpoint: OmniCheckpoint,
     stages: list[tuple[str, str, EffectiveSettings]],
@@ -118,22 +137,31 @@ def plan_memory(
     host_available: int,
     device_totals: Mapping[str, int] | None = None,
     kv_bytes_per_token: Mapping[str, int] | None = None,
+    code2wav: tuple[str, str] = ("cpu", "float32"),
 ) -> MemoryPlan:
     """The plan of `stages` ((name, role, resolved settings) per AR stage)
-    and code2wav (float32 on CPU, `code2wav_workers` processes; 0: on a
-    thread of the decoder). Raises PlanRefused when it does not fit.
+    and code2wav (on its (device, dtype), one copy of its weights per worker
+    process, `code2wav_workers`; 0: on a thread of the decoder). Raises
+    PlanRefused when it does not fit.
     ``device_totals``: each CUDA device's total memory ("cuda:N"); ``kv_bytes_per_token``:
     per stage name, to check a share holds one full-context request."""
     device_totals = dict(device_totals or {})
     kv_per_token = dict(kv_bytes_per_token or {})
     plan_stages = [_ar_memory(checkpoint, name, role, eff, device_totals) for name, role, eff in stages]
     copies = max(code2wav_workers, 1)
-    plan_stages.append(StageMemory("code2wav", "cpu", checkpoint.numel("code2wav.") * 4, 0, 0,
-                                   RUNTIME_BYTES["code2wav"] if code2wav_workers else 0, copies=copies))
+    c2w_device, c2w_dtype = code2wav
+    c2w_runtime = RUNTIME_BYTES["code2wav"] if code2wav_workers else 0
+    vocoder = StageMemory("code2wav", c2w_device, checkpoint.numel("code2wav.") * _DTYPE_BYTES[c2w_dtype], 0, 0,
+                          c2w_runtime if c2w_device == "cpu" else 0, copies=copies)
+    plan_stages.append(vocoder)
     plan = MemoryPlan(plan_stages, host_available, device_totals)
     host = RUNTIME_BYTES["decoder"] + sum(
-        s.total if s.device == "cpu" else RUNTIME_BYTES["stage"] for s in plan_stages)
+        s.total if s.device == "cpu" else RUNTIME_BYTES["stage"] for s in plan_stages if s is not vocoder)
+    host += vocoder.total if c2w_device == "cpu" else c2w_runtime * copies
     plan.host_needed = host
+    if c2w_device != "cpu":
+        _check_vocoder_device(vocoder, [(s, eff) for s, (_, _, eff) in zip(plan_stages, stages, strict=False)],
+                              device_totals)
 
     by_device: dict[str, list[tuple[StageMemory, EffectiveSettings]]] = {}
     for s, (_, _, eff) in zip(plan_stages, stages, strict=False):

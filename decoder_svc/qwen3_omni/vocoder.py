@@ -38,15 +38,22 @@ class CheckpointVocoder:
     code2wav worker process rebuilds from ``worker_spec()``. Same arithmetic
     as the engine's vocoder: the same tensors, the same stream."""
 
-    def __init__(self, model_dir: str, voices: Sequence[str], checkpoint: Any = None) -> None:
+    def __init__(self, model_dir: str, voices: Sequence[str], checkpoint: Any = None, *, device: str = "cpu",
+                 dtype: str = "float32") -> None:
         """model_dir: the checkpoint directory; checkpoint: the same, already
-        open (the decoder's engine has it), else it is opened here."""
+        open (the decoder's engine has it), else it is opened here; device
+        and dtype: where its weights live and what they compute in (the
+        generation stage's resolved settings,
+        ``decoder_svc.engine_settings.resolve_vocoder``); audio comes back
+        as float32 on the host."""
         if checkpoint is None:
             from decoder_svc.qwen3_omni.checkpoint import OmniCheckpoint
 
             checkpoint = OmniCheckpoint.open(model_dir)
         self.model_dir = str(checkpoint.path)
-        self.model = Code2Wav.from_config_and_tensors(checkpoint.code2wav_config, checkpoint.tensors("code2wav."))
+        self.device, self.dtype = str(device), str(dtype)
+        self.model = Code2Wav.from_config_and_tensors(checkpoint.code2wav_config, checkpoint.tensors("code2wav."),
+                                                      device=self.device, dtype=getattr(torch, self.dtype))
         self.voices = tuple(voices)
         self.sample_rate = int(getattr(self.model, "sample_rate", SAMPLE_RATE))
         self.num_codebooks = int(self.model.num_quantizers)
@@ -64,13 +71,14 @@ class CheckpointVocoder:
         return [a.numpy() for a in push_many([s._stream for s in streams], codes)]
 
     def worker_spec(self) -> tuple[str, dict[str, Any]]:
-        return worker_spec(self.model_dir, self.voices)
+        return worker_spec(self.model_dir, self.voices, device=self.device, dtype=self.dtype)
 
 
-def worker_spec(model_dir: str | Any, voices: Sequence[str]) -> tuple[str, dict[str, Any]]:
+def worker_spec(model_dir: str | Any, voices: Sequence[str], *, device: str = "cpu",
+                dtype: str = "float32") -> tuple[str, dict[str, Any]]:
     """How a code2wav worker process rebuilds the vocoder of the checkpoint in
     `model_dir` (factory path, keyword arguments; nothing of torch pickled)."""
     return (
         "decoder_svc.qwen3_omni.vocoder:CheckpointVocoder",
-        {"model_dir": str(model_dir), "voices": [str(v) for v in voices]},
+        {"model_dir": str(model_dir), "voices": [str(v) for v in voices], "device": device, "dtype": dtype},
     )
