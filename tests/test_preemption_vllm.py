@@ -21,7 +21,9 @@ position's residual codes and text row, as its decode steps had them) is
 compared exactly in ``tests/test_talker_slots.py``; the rows handed on once
 in ``tests/test_step_devices.py``.
 
-Async (materializer) and sync (in-process) output paths, one stack each.
+Async (materializer) and sync (in-process) output paths, one stack each
+(under CI=true 4 prompts and the async stack only; all with
+``OMNI_SOAK_FULL=1``).
 """
 
 from __future__ import annotations
@@ -76,6 +78,8 @@ def preemptions(stack: Stack, stage: str) -> float:
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("sync", [False, True], ids=["async", "sync"])
 def test_preempted_requests_keep_their_thinker_stream_and_finish(tmp_path_factory, checkpoint, sync):
+    if sync and _CI_SHORT:  # CI time is budgeted: the rows are trimmed before either path builds them
+        pytest.skip("under CI=true the sync stack runs with OMNI_SOAK_FULL=1")
     stack = Stack(StackConfig(engine="vllm", profile="omni", model=str(checkpoint), sync=sync, port=0, http_port=0,
                               runtime_dir=str(tmp_path_factory.mktemp("rt")), log_level="WARNING",
                               engine_set=TIGHT_KV))
