@@ -253,18 +253,24 @@ def check_vocoder_keys(keys: Iterable[str], where: str, stage: str) -> None:
                                        f"vLLM) takes {' and '.join(VOCODER_KEYS)} only")
 
 
+def _placed(settings: EngineSettings, stage: str, platform: str, why_not_cuda: str) -> str:
+    """``settings.device`` on `platform`: ``auto`` is ``cuda`` there, else
+    ``cpu``; a CUDA device where there is none is refused (`why_not_cuda`)."""
+    device = settings.device
+    if device == AUTO:
+        device = "cuda" if platform == "cuda" else "cpu"
+    if device.startswith("cuda") and platform != "cuda":
+        raise InvalidArgumentError(f"engine.{stage}.device", f"stage {stage}: {device!r} asked for, but {why_not_cuda}")
+    return device
+
+
 def resolve_vocoder(settings: EngineSettings, *, stage: str, platform: str) -> tuple[str, str]:
     """(device, dtype) the generation stage's vocoder runs in, on `platform`
     ("cuda" where torch sees a CUDA device in the decoder's process, else
     "cpu"): ``device: auto`` is ``cuda`` (the first device the process sees)
     there, else ``cpu``; ``dtype: auto`` is bfloat16 on CUDA and float32 on
     CPU (where the vocoder's parity is measured)."""
-    device = settings.device
-    if device == AUTO:
-        device = "cuda" if platform == "cuda" else "cpu"
-    if device.startswith("cuda") and platform != "cuda":
-        raise InvalidArgumentError(f"engine.{stage}.device",
-                                   f"stage {stage}: {device} asked for, but the decoder's process sees no CUDA device")
+    device = _placed(settings, stage, platform, "the decoder's process sees no CUDA device")
     dtype = settings.dtype
     if dtype == AUTO:
         dtype = "bfloat16" if device.startswith("cuda") else "float32"
@@ -416,12 +422,7 @@ def resolve(
     chunks, and why; ``float32_only``: non-empty when the stage runs in
     float32 only, and why (``auto`` is then float32, another dtype refused)."""
     notes: list[str] = []
-    device = settings.device
-    if device == AUTO:
-        device = "cuda" if platform == "cuda" else "cpu"
-    if device.startswith("cuda") and platform != "cuda":
-        raise InvalidArgumentError(f"engine.{stage}.device",
-                                   f"stage {stage}: {device!r} asked for, but vLLM runs on {platform} here")
+    device = _placed(settings, stage, platform, f"vLLM runs on {platform} here")
     if device == "cpu" and platform == "cuda":
         raise InvalidArgumentError(f"engine.{stage}.device",
                                    f"stage {stage}: 'cpu' asked for, but this vLLM build runs on CUDA")
