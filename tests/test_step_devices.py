@@ -34,7 +34,7 @@ from decoder_svc.qwen3_omni.talker_slots import TalkerRequestState, TalkerSlots 
 from decoder_svc.snapshot import meta_of, step_tensors, take_snapshot  # noqa: E402
 from decoder_svc.testing.standin_backend import StandinBackend  # noqa: E402
 from decoder_svc.vllm_engine.capture import StepCapture  # noqa: E402
-from decoder_svc.vllm_engine.step_assembly import timed_codes  # noqa: E402
+from decoder_svc.vllm_engine.step_assembly import recomputed_rows, timed_codes  # noqa: E402
 from omni_common.materialize import HIDDEN_STATES, SAMPLED_TOKEN_IDS  # noqa: E402
 from omni_common.shm_arena import ShmArena  # noqa: E402
 
@@ -87,8 +87,9 @@ def _capture(hidden: torch.Tensor, sampled: torch.Tensor, discard: list[bool], k
 def _run_step(b: StandinBackend, cap: StepCapture, live: list[bool], text: dict, engine_ids: dict):
     b._on_capture(cap)
     captured = b._captured.popleft()
-    return b._build(captured, live, [e if ok else "" for e, ok in zip(EXT, live, strict=True)],
-                    {"r1": "length"}, text, engine_ids)
+    ext_ids = [e if ok else "" for e, ok in zip(EXT, live, strict=True)]
+    again = recomputed_rows(captured, live, ext_ids, b._delivered)  # as step() does, under its lock
+    return b._build(captured, live, ext_ids, {"r1": "length"}, text, engine_ids, again)
 
 
 def test_talker_step_keeps_each_tensor_on_its_device():

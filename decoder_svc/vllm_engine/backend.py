@@ -81,6 +81,7 @@ from .step_assembly import (
     build_step,
     engine_outputs,
     pop_capture,
+    recomputed_rows,
     take_capture,
     timed_codes,
 )
@@ -215,8 +216,7 @@ class VLLMBackend:
         self._scheduler: Any = None  # the engine's scheduler (wrapped by the tap)
         self._ready: deque[VLLMStepOutput] = deque()
         self._closed = False
-        self.steps = 0
-        self.dropped_rows = 0
+        self.steps = self.dropped_rows = 0
         self._pool = PoolingEngine(self.model_dir, seed=seed, max_model_len=max_model_len,
                                    kv_cache_memory_bytes=kv_cache_memory_bytes)
 
@@ -517,22 +517,23 @@ class VLLMBackend:
             finished, text, engine_ids = engine_outputs(outputs, self._int_of)
             # Which captured rows are live: decided before this call's finishes
             # are retired (a finishing request's last row belongs to this step).
-            batches: list[tuple[Captured, list[bool], list[str]]] = []
+            batches: list[tuple[Captured, list[bool], list[str], torch.Tensor | None]] = []
             for key in updated:
                 cap, dropped = pop_capture(self._captured, key)
                 self.dropped_rows += dropped
                 if cap is None:
                     continue
                 ext_ids = [self._ext_of.get(r, "") for r in cap.req_ids]
-                batches.append((cap, [bool(e) for e in ext_ids], ext_ids))
+                live = [bool(e) for e in ext_ids]
+                batches.append((cap, live, ext_ids, recomputed_rows(cap, live, ext_ids, self._delivered)))
             for ext in finished:
                 internal = self._int_of.pop(ext, None)
                 if internal is not None:
                     self._retire(ext, internal)
         self.steps += 1
         outs = [
-            self._build(cap, live, ext_ids, finished, text, engine_ids)
-            for cap, live, ext_ids in batches
+            self._build(cap, live, ext_ids, finished, text, engine_ids, again)
+            for cap, live, ext_ids, again in batches
         ]
         if not outs:
             if finished:  # pragma: no cover - a finish without a captured step
@@ -554,11 +555,11 @@ class VLLMBackend:
         finished: dict[str, str],
         text: dict[str, str],
         engine_ids: dict[str, list[int]],
+        again: torch.Tensor | None = None,
     ) -> VLLMStepOutput:
-        """The step's output, dead / discarded / placeholder rows dropped
-        (``.step_assembly.build_step``)."""
+        """The step's output (``.step_assembly.build_step``: dropped rows; a recompute's rows handed on before)."""
         out, dropped = build_step(cap, live, ext_ids, finished, text, engine_ids, is_talker=self.is_talker,
-                                  delivered=self._delivered)
+                                  again=again)
         self.dropped_rows += dropped
         return out
 

@@ -63,7 +63,8 @@ from omni_common.materialize import PER_TOKEN as TENSOR_LAYOUT_PER_TOKEN
 
 from .capture import StepCapture
 
-__all__ = ["Captured", "VLLMStepOutput", "build_step", "engine_outputs", "pop_capture", "take_capture"]
+__all__ = ["Captured", "VLLMStepOutput", "build_step", "engine_outputs", "pop_capture", "recomputed_rows",
+           "take_capture"]
 
 
 @dataclass
@@ -215,20 +216,17 @@ def build_step(
     engine_ids: dict[str, list[int]],
     *,
     is_talker: bool,
-    delivered: dict[str, int] | None = None,
+    again: torch.Tensor | None = None,
 ) -> tuple[VLLMStepOutput, int]:
     """(the step's output, rows dropped): batched row selection, dropping
-    dead / discarded / placeholder rows, and the token rows of positions a
-    request delivered before (``delivered``, see :func:`_recomputed_rows`).
+    dead / discarded / placeholder rows, and each row's first ``again[i]``
+    token rows (positions its request handed on before: :func:`recomputed_rows`).
 
     Critical path: when every row is kept (the common step) the capture's
     tensors are handed on as they are; otherwise rows are picked with one
     index per device. Per-request lists and dicts are lazy."""
     n_all = len(cap.req_ids)
     dropped = 0
-    again = None
-    if delivered is not None and (cap.hidden is not None or cap.extra):
-        again = _recomputed_rows(cap, live, ext_ids, delivered)
     if again is None and cap.all_ok and all(live):
         request_ids = ext_ids
         rows: Any = LazyList(lambda: range(n_all))
@@ -297,18 +295,24 @@ def build_step(
     return out, dropped
 
 
-def _recomputed_rows(cap: Captured, live: list[bool], ext_ids: list[str],
-                     delivered: dict[str, int]) -> torch.Tensor | None:
+def recomputed_rows(cap: Captured, live: list[bool], ext_ids: list[str],
+                    delivered: dict[str, int]) -> torch.Tensor | None:
     """Per row [n] int32: how many of its first token rows are of positions
-    its request delivered before (None when no row has any).
+    its request handed on before (None when no row has any; ``build_step``'s
+    ``again``).
 
     A request the engine preempted lost its KV; when it resumes, its prompt
     and every token decoded so far are computed again in one step. Their
     per-token rows (hidden rows, extras) were handed on the first time: a
     consumer gets each position's row once, as first computed (the thinker's
     rows that condition the talker stay the ones its decode steps saw).
-    ``delivered`` (external id -> positions delivered, kept by the caller
-    while the request lives) is updated for the kept rows."""
+    ``delivered`` (external id -> positions handed on, kept by the caller
+    while the request lives, under the lock that retires requests) is
+    updated for the kept rows. Steps without per-token rows, and steps with
+    speculative decoding (a rejected draft's position is computed again by
+    design; no such stage feeds the talker), are left alone."""
+    if (cap.hidden is None and not cap.extra) or cap.accepted is not None:
+        return None
     computed = cap.computed.tolist()
     counts = cap.num_scheduled.tolist()
     ok = cap.row_ok.tolist()
