@@ -21,6 +21,7 @@ picks a free port or checks a Unix socket path goes through this module.
 from __future__ import annotations
 
 import os
+import random
 import socket
 
 WILDCARD_HOSTS = frozenset({"", "*", "0.0.0.0", "::", "[::]"})
@@ -62,8 +63,35 @@ def _family(host: str) -> socket.AddressFamily:
     return socket.AF_INET6 if ":" in host else socket.AF_INET
 
 
+# Where free_port looks first: below the kernel's ephemeral range.
+_PICK_FROM = 10000
+_EPHEMERAL_RANGE_FILE = "/proc/sys/net/ipv4/ip_local_port_range"
+
+
+def ephemeral_range() -> tuple[int, int]:
+    """The kernel's range of local ports for outgoing connections (Linux's default where it cannot be read)."""
+    try:
+        with open(_EPHEMERAL_RANGE_FILE) as f:
+            lo, hi = (int(x) for x in f.read().split()[:2])
+        return lo, hi
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port(host: str = LOOPBACK) -> int:
-    """A TCP port free on `host` right now (for `--port 0`): the OS picks, we release it."""
+    """A TCP port free on `host` right now (for `--port 0`), for a server that
+    binds it later. It is picked below the kernel's ephemeral range when
+    there is room (a random free one of [10000, start of that range)): a
+    port the OS hands out for port 0 comes from the ephemeral range, where
+    any outgoing connection of any process may take it as its local port
+    before the server binds it (a service started a minute later found its
+    port so taken). Else the OS picks."""
+    lo, _ = ephemeral_range()
+    rng = random.SystemRandom()
+    for _ in range(64 if lo - _PICK_FROM >= 1024 else 0):
+        port = rng.randrange(_PICK_FROM, lo)
+        if port_free(host, port):
+            return port
     with socket.socket(_family(host), socket.SOCK_STREAM) as sock:
         sock.bind((_bind_host(host), 0))
         return int(sock.getsockname()[1])

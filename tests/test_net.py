@@ -74,6 +74,22 @@ def test_free_port_is_free_until_bound(host):
         assert not port_free(host, port), f"port {port} on {host!r} is bound, yet reported free"
 
 
+def test_free_port_is_outside_the_ephemeral_range(monkeypatch):
+    """Outgoing connections take local ports from the kernel's ephemeral range: a
+    port picked there could be taken before its server binds it."""
+    from omni_common import net
+
+    lo, hi = net.ephemeral_range()
+    assert 0 < lo <= hi <= 65535
+    ports = {free_port() for _ in range(20)}
+    if lo - 10000 >= 1024:
+        assert all(10000 <= p < lo for p in ports), (sorted(ports), lo)
+    monkeypatch.setattr(net, "_EPHEMERAL_RANGE_FILE", "/nonexistent")
+    assert net.ephemeral_range() == (32768, 60999)
+    monkeypatch.setattr(net, "ephemeral_range", lambda: (1024, 65535))  # no room below: the OS picks
+    assert port_free("127.0.0.1", free_port())
+
+
 def test_uds_path_length_is_counted_in_bytes():
     assert uds_path_bytes("/tmp/é.sock") == len("/tmp/é.sock") + 1, "é is two bytes in UTF-8"
     assert MAX_UDS_PATH_BYTES == 107, "sun_path is 108 bytes with its NUL"
