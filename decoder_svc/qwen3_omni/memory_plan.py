@@ -159,9 +159,6 @@ def plan_memory(
         s.total if s.device == "cpu" else RUNTIME_BYTES["stage"] for s in plan_stages if s is not vocoder)
     host += vocoder.total if c2w_device == "cpu" else c2w_runtime * copies
     plan.host_needed = host
-    if c2w_device != "cpu":
-        _check_vocoder_device(vocoder, [(s, eff) for s, (_, _, eff) in zip(plan_stages, stages, strict=False)],
-                              device_totals)
 
     by_device: dict[str, list[tuple[StageMemory, EffectiveSettings]]] = {}
     for s, (_, _, eff) in zip(plan_stages, stages, strict=False):
@@ -187,6 +184,9 @@ def plan_memory(
                     f"{eff.max_model_len}-token request's KV {_gib(need_kv)} = {_gib(need)}: raise its "
                     f"gpu_memory_utilization to at least {need / total:.2f}, lower max_model_len or "
                     "max_num_batched_tokens, or choose a smaller dtype or quantization")
+    if c2w_device != "cpu":  # after the stages' own checks: their shares are right
+        _check_vocoder_device(vocoder, [(s, eff) for s, (_, _, eff) in zip(plan_stages, stages, strict=False)],
+                              device_totals)
     if host > host_available:
         worst = max((s for s in plan_stages if s.device == "cpu"), key=lambda s: s.total)
         raise PlanRefused(
