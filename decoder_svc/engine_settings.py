@@ -84,7 +84,7 @@ class EngineSettings:
     max_model_len: int | str = AUTO
     max_num_seqs: int = 64
     max_num_batched_tokens: int | str = AUTO
-    enable_chunked_prefill: bool = False
+    enable_chunked_prefill: bool = True
     kv_cache_memory: int = 64 * 2**20  # bytes of KV cache on CPU
     gpu_memory_utilization: float = 0.9  # the share of the device's memory on CUDA
     enforce_eager: bool | str = AUTO
@@ -411,15 +411,13 @@ def resolve(
     checkpoint_context: int,
     kv_elements_per_token: int,
     bf16_cpu: bool | None = None,
-    chunked_prefill_refusal: str = "",
     float32_only: str = "",
 ) -> EffectiveSettings:
     """`settings` made concrete for `stage` on `platform` ("cpu" or "cuda",
     what vLLM runs on here). ``checkpoint_dtype``: the checkpoint's
     ``torch_dtype``; ``checkpoint_context``: its ``max_position_embeddings``;
     ``kv_bytes_per_token``: the KV cache bytes one token takes (all layers).
-    ``chunked_prefill_refusal``: non-empty when the stage cannot prefill in
-    chunks, and why; ``float32_only``: non-empty when the stage runs in
+    ``float32_only``: non-empty when the stage runs in
     float32 only, and why (``auto`` is then float32, another dtype refused)."""
     notes: list[str] = []
     device = _placed(settings, stage, platform, f"vLLM runs on {platform} here")
@@ -445,10 +443,6 @@ def resolve(
     if dtype == "float16" and not on_cuda:
         raise InvalidArgumentError(f"engine.{stage}.dtype", f"stage {stage}: float16 runs on CUDA only; "
                                    "on CPU use float32 or bfloat16")
-
-    if settings.enable_chunked_prefill and chunked_prefill_refusal:
-        raise InvalidArgumentError(f"engine.{stage}.enable_chunked_prefill",
-                                   f"stage {stage}: {chunked_prefill_refusal}")
 
     kv_bytes_per_token = max(int(kv_elements_per_token), 1) * (4 if dtype == "float32" else 2)
     budget_tokens = 0

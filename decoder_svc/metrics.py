@@ -72,6 +72,13 @@ PREEMPTIONS = Counter(
     "prompt and tokens so far, when it resumes), by stage",
     ["stage"],
 )
+STEP_TOKENS = Histogram(
+    "omni_decoder_step_tokens",
+    "Tokens a stage's engine scheduled in one step (decode tokens and prompt tokens, whole prompts or "
+    "chunks; at most the stage's max_num_batched_tokens), by stage",
+    ["stage"],
+    buckets=tuple(2.0**i for i in range(15)),
+)
 REQUESTS = Counter("omni_decoder_requests_total", "Requests that ended, by outcome", ["outcome"])
 ACTIVE_REQUESTS = Gauge("omni_decoder_active_requests", "Requests running")
 

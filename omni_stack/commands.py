@@ -185,6 +185,8 @@ def service_commands(
     ):
         if value:
             gateway_args += [flag, value]
+    if cfg.max_text_chars:
+        gateway_args += ["--max-text-chars", str(cfg.max_text_chars)]
     gateway = ServiceProcess(
         "gateway",
         gateway_args,

@@ -73,6 +73,7 @@ class StackConfig:
     tls_key: str = ""
     auth_token_file: str = ""
     allowed_origins: str = ""  # comma-separated origins; passed as --allowed-origins
+    max_text_chars: int = 0  # passed as --max-text-chars (0 = not passed: the gateway's default)
     extra_decoder_args: list[str] = field(default_factory=list)
     # AR stages' engine settings over the profile's: "[STAGE.]KEY=VALUE" items,
     # comma-separated, each passed to the decoder as --engine-set
@@ -113,6 +114,9 @@ class StackConfig:
                 raise ConfigError(f"{key}: must be > 0 seconds, got {getattr(self, key)}")
         if self.liveness_poll < 0:
             raise ConfigError(f"liveness_poll: must be >= 0 seconds (0 = off), got {self.liveness_poll}")
+        if self.max_text_chars < 0:
+            raise ConfigError(f"max_text_chars: must be >= 0 characters (0 = the gateway's default), "
+                              f"got {self.max_text_chars}")
         if self.liveness_unanswered_s < 0:
             raise ConfigError(
                 f"liveness_unanswered_s: must be >= 0 seconds (0 = off), got {self.liveness_unanswered_s}"
@@ -339,6 +343,13 @@ UP_OPTIONS: tuple[UpOption, ...] = (
         "gateway: origins besides its own whose pages may open its WebSockets "
         "(scheme://host[:port], comma-separated, or *), passed as --allowed-origins",
         metavar="ORIGINS",
+    ),
+    UpOption(
+        "max_text_chars",
+        int,
+        "gateway: the longest text, prompt or input accepted, in characters, passed as --max-text-chars "
+        "(0: the gateway's default, 4096; raise it for long prompts)",
+        metavar="N",
     ),
 )
 _OPTIONS_BY_KEY = {opt.key: opt for opt in UP_OPTIONS}

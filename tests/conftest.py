@@ -30,3 +30,15 @@ def decoder(sock_dir: Path) -> Iterator[FakeDecoder]:
     """A fake decoder service (test double) on a Unix socket in sock_dir."""
     with FakeDecoder(sock_dir / "decoder.sock") as fake:
         yield fake
+
+
+@pytest.fixture(scope="session")
+def tiny_checkpoint(tmp_path_factory) -> Path:
+    """The tiny Qwen3-Omni checkpoint (seed 0), written once per session.
+
+    What serves a model directory only reads it (tests that serve it check
+    its tree is unchanged), so the tests that need this checkpoint as it is
+    share one copy; a test that needs another (a seed, shards) writes its own."""
+    from decoder_svc.qwen3_omni.tiny import create_tiny_checkpoint
+
+    return create_tiny_checkpoint(tmp_path_factory.mktemp("tiny-ckpt") / "qwen3-omni-tiny")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import urllib.request
 
 import grpc
 import torch
@@ -85,3 +86,15 @@ def describe_pcm_difference(a: bytes, b: bytes) -> str:
     first = int(where[0]) if len(where) else n
     return (f"{len(x)} vs {len(y)} samples; first difference at sample {first} ({first / 24000:.3f} s at 24 kHz); "
             f"{len(where)} of {n} common samples differ, by at most {int(diff.max()) if n else 0}")
+
+
+def metric(stack, name: str, **labels: str) -> float:
+    """The sum of a series of the decoder's /metrics over its label sets
+    (those with ``labels``, when given); histograms by their sample names
+    (``..._bucket`` with ``le``, ``..._count``, ``..._sum``)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(stack.service("decoder").metrics_url, timeout=10) as r:
+        text = r.read().decode()
+    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))

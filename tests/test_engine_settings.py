@@ -178,7 +178,7 @@ def test_resolve_on_cpu():
     eff = resolve(EngineSettings(), stage="talker", platform="cpu", bf16_cpu=False, **CKPT)
     # 64 MiB at 1 KiB per float32 token: 65536 tokens, above the checkpoint's 4096
     assert (eff.device, eff.dtype, eff.max_model_len, eff.enforce_eager) == ("cpu", "float32", 4096, True)
-    assert eff.max_num_batched_tokens == 4096 and not eff.enable_chunked_prefill
+    assert eff.max_num_batched_tokens == 2048 and eff.enable_chunked_prefill  # prompts past 2048 tokens: in chunks
     assert any("lacks bfloat16" in n for n in eff.notes)
     kwargs = eff.vllm_kwargs()
     assert kwargs["kv_cache_memory_bytes"] == 64 * 2**20 and "gpu_memory_utilization" not in kwargs
@@ -209,15 +209,13 @@ def test_resolve_refusals():
     assert err.field == "engine.talker.device" and "vLLM runs on cpu" in str(err)
     err = _error(resolve, EngineSettings(dtype="float16"), stage="talker", platform="cpu", **CKPT)
     assert err.field == "engine.talker.dtype"
-    err = _error(resolve, EngineSettings(enable_chunked_prefill=True), stage="talker", platform="cpu",
-                 chunked_prefill_refusal="not for the talker yet", **CKPT)
-    assert err.field == "engine.talker.enable_chunked_prefill" and "not for the talker yet" in str(err)
-    err = _error(resolve, EngineSettings(max_num_batched_tokens=1024, dtype="float32"), stage="talker",
-                 platform="cpu", **CKPT)
+    err = _error(resolve, EngineSettings(max_num_batched_tokens=1024, dtype="float32", enable_chunked_prefill=False),
+                 stage="talker", platform="cpu", **CKPT)
     assert err.field == "engine.talker.max_num_batched_tokens" and "at least max_model_len (4096)" in str(err)
-    chunked = resolve(EngineSettings(enable_chunked_prefill=True, max_num_batched_tokens=512, dtype="float32"),
-                      stage="thinker", platform="cpu", **CKPT)
-    assert (chunked.enable_chunked_prefill, chunked.max_num_batched_tokens) == (True, 512)
+    for stage in ("thinker", "talker"):  # a step's budget below the context: prompts are prefilled in chunks
+        chunked = resolve(EngineSettings(enable_chunked_prefill=True, max_num_batched_tokens=512, dtype="float32"),
+                          stage=stage, platform="cpu", **CKPT)
+        assert (chunked.enable_chunked_prefill, chunked.max_num_batched_tokens) == (True, 512)
 
 
 def test_resolve_on_cuda_and_the_arguments_vllm_takes():
@@ -249,9 +247,11 @@ def test_settings_reach_vllms_config_on_cpu(tmp_path, monkeypatch):
     monkeypatch.setenv("OMNI_SERVING_MODEL_DIR", str(tmp_path / "cache"))
     ckpt = OmniCheckpoint.open(create_tiny_checkpoint(tmp_path / "tiny"))
     profile = load_profile("tts", environ={"OMNI_ENGINE_SET": "max_num_seqs=8,kv_cache_memory=16MiB,"
-                                                              "max_model_len=1024,dtype=float32"})
+                                                              "max_model_len=1024,dtype=float32,"
+                                                              "enable_chunked_prefill=true,max_num_batched_tokens=96"})
     eff = stage_settings(ckpt, profile.stage("talker"))
     assert (eff.max_num_seqs, eff.max_model_len, eff.kv_cache_memory) == (8, 1024, 16 * 2**20)
+    assert (eff.enable_chunked_prefill, eff.max_num_batched_tokens) == (True, 96)
     _set_env_defaults()
     from decoder_svc.qwen3_omni.backends import prepare_vllm
 

@@ -22,7 +22,7 @@ compared exactly in ``tests/test_talker_slots.py``; the rows handed on once
 in ``tests/test_step_devices.py``.
 
 Async (materializer) and sync (in-process) output paths, one stack each
-(under CI=true 4 prompts and the async stack only; all with
+(under CI=true 3 prompts and the async stack only; all with
 ``OMNI_SOAK_FULL=1``).
 """
 
@@ -37,23 +37,21 @@ import pytest
 from omni_serving.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from omni_stack.config import StackConfig
 from omni_stack.stack import Stack
-from tests.test_vllm_e2e import metric
+from tests.speech_helpers import metric
 
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
 
 _CI_SHORT = os.environ.get("CI") == "true" and os.environ.get("OMNI_SOAK_FULL") != "1"
-PROMPTS = [(f"sentence number {i} for the speech engine", 1000 + i) for i in range(4 if _CI_SHORT else 8)]
+PROMPTS = [(f"sentence number {i} for the speech engine", 1000 + i) for i in range(3 if _CI_SHORT else 8)]
 MAX_TOKENS = 140  # the thinker's reply: with its prompt, past one 128-token block
 AUDIO_SECONDS = 10.0  # 125 talker frames: with its prompt, past one block
 TIGHT_KV = "max_model_len=256,kv_cache_memory=512KiB"
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    from decoder_svc.qwen3_omni.tiny import create_tiny_checkpoint
-
-    return create_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "qwen3-omni-tiny")
+def checkpoint(tiny_checkpoint):
+    return tiny_checkpoint
 
 
 def generate(stack: Stack, prompt: tuple[str, int]) -> tuple[list[int], str, int]:
@@ -72,7 +70,7 @@ def generate(stack: Stack, prompt: tuple[str, int]) -> tuple[list[int], str, int
 
 
 def preemptions(stack: Stack, stage: str) -> float:
-    return metric(stack, f'omni_decoder_preemptions_total{{stage="{stage}"}}')
+    return metric(stack, "omni_decoder_preemptions_total", stage=stage)
 
 
 @pytest.mark.timeout(900)

@@ -34,7 +34,7 @@ from decoder_svc.qwen3_omni.talker_slots import TalkerRequestState, TalkerSlots 
 from decoder_svc.snapshot import meta_of, step_tensors, take_snapshot  # noqa: E402
 from decoder_svc.testing.standin_backend import StandinBackend  # noqa: E402
 from decoder_svc.vllm_engine.capture import StepCapture  # noqa: E402
-from decoder_svc.vllm_engine.step_assembly import recomputed_rows, timed_codes  # noqa: E402
+from decoder_svc.vllm_engine.step_assembly import RowLedger, timed_codes  # noqa: E402
 from omni_common.materialize import HIDDEN_STATES, SAMPLED_TOKEN_IDS  # noqa: E402
 from omni_common.shm_arena import ShmArena  # noqa: E402
 
@@ -58,13 +58,14 @@ def _backend(*, talker: bool, cp_weight: torch.Tensor | None = None) -> StandinB
     b._cp_weight = cp_weight
     b._copy_hidden = False
     b._captured = deque()
-    b._delivered = {}
+    b._ledger = RowLedger()
     b.dropped_rows = 0
     b._codes_of = timed_codes(b._codes, b.name) if talker else None
     return b
 
 
-def _capture(hidden: torch.Tensor, sampled: torch.Tensor, discard: list[bool], key: object) -> StepCapture:
+def _capture(hidden: torch.Tensor, sampled: torch.Tensor, discard: list[bool], key: object,
+             computed: tuple[int, ...] = (0, 5, 9, 0)) -> StepCapture:
     qsl = torch.tensor(QSL, dtype=torch.int32)
     last = hidden.index_select(0, (torch.tensor(QSL[1:]) - 1).to(hidden.device))  # the runner's rows, on its device
     return StepCapture(
@@ -74,7 +75,7 @@ def _capture(hidden: torch.Tensor, sampled: torch.Tensor, discard: list[bool], k
         discard_mask=torch.tensor(discard),
         query_start_loc=qsl,
         num_scheduled_tokens=qsl[1:] - qsl[:-1],
-        num_computed_tokens=torch.tensor([0, 5, 9, 0], dtype=torch.int32),
+        num_computed_tokens=torch.tensor(computed, dtype=torch.int32),
         num_prompt_tokens=torch.tensor([3, 4, 6, 9], dtype=torch.int32),
         hidden_states=hidden,
         sample_hidden_states=last,
@@ -88,8 +89,8 @@ def _run_step(b: StandinBackend, cap: StepCapture, live: list[bool], text: dict,
     b._on_capture(cap)
     captured = b._captured.popleft()
     ext_ids = [e if ok else "" for e, ok in zip(EXT, live, strict=True)]
-    again = recomputed_rows(captured, live, ext_ids, b._delivered)  # as step() does, under its lock
-    return b._build(captured, live, ext_ids, {"r1": "length"}, text, engine_ids, again)
+    plan = b._ledger.plan(captured, live, ext_ids)  # as step() does, under its lock
+    return b._build(captured, live, ext_ids, {"r1": "length"}, text, engine_ids, plan)
 
 
 def test_talker_step_keeps_each_tensor_on_its_device():
@@ -165,7 +166,7 @@ def test_a_recomputed_requests_rows_are_handed_on_once():
     sampled = torch.tensor([[11], [12], [13], [14]], dtype=torch.int32)
     b = _backend(talker=False)
     # r0 (positions 0..2 this step) handed on positions 0 and 1 before it was preempted
-    b._delivered.update({"r0": 2, "r1": 5})
+    b._ledger._marks.update({"r0": 2, "r1": 5})
     mode = FakeDeviceMode()
     with mode:
         out = _run_step(b, _capture(to_device(hidden), to_device(sampled), [False] * 4, "k"), [True] * 4, {}, {})
@@ -174,14 +175,60 @@ def test_a_recomputed_requests_rows_are_handed_on_once():
     assert out.query_start_loc.tolist() == [0, 1, 2, 3, 5]
     assert torch.equal(to_host(out.hidden_states), hidden[[2, 3, 4, 5, 6]])
     assert out.sampled_token_ids.tolist() == [[11], [12], [13], [14]], "every row's new token is kept"
-    assert b._delivered == {"r0": 3, "r1": 6, "r2": 10, "r3": 2}
+    assert b._ledger.marks() == {"r0": 3, "r1": 6, "r2": 10, "r3": 2}
     # the same positions again (a second preemption): nothing of r0 comes out twice
-    b._delivered["r1"] = 0
+    b._ledger._marks["r1"] = 0
     again = _run_step(b, _capture(hidden, sampled, [False] * 4, "k"), [True] * 4, {}, {})
     assert again.num_scheduled_tokens == [0, 1, 0, 0] and torch.equal(again.hidden_states, hidden[[3]])
     # a step without a recompute hands the runner's tensor on as it is
     fresh = _backend(talker=False)
     assert _run_step(fresh, _capture(hidden, sampled, [False] * 4, "k"), [True] * 4, {}, {}).hidden_states is hidden
+
+
+def test_a_chunked_prefills_rows_come_whole_with_the_step_that_samples():
+    """A prompt prefilled in chunks: the chunks before the last sample
+    nothing (vLLM discards their token); their rows are held and handed on
+    ahead of the last chunk's, so the request's first step out carries every
+    prompt row, as a prompt prefilled in one step does (the talker is fed
+    from them). A preemption that recomputes held positions adds nothing
+    twice; on the runner's device, with one device-to-host read per step."""
+    torch.manual_seed(3)
+    first, second = torch.randn(T, H), torch.randn(T, H)
+    sampled = torch.tensor([[11], [12], [13], [-1]], dtype=torch.int32)
+    b = _backend(talker=False)
+    mode = FakeDeviceMode()
+    with mode:
+        # step 1: r3 computes prompt positions 0..1 of its prompt (a partial chunk: no token)
+        out1 = _run_step(b, _capture(to_device(first), to_device(sampled), [False, False, False, True], "k1"),
+                         [True] * 4, {}, {})
+        held = b._ledger.held_rows()
+        # step 2: r3 computes positions 2..3 and samples
+        out2 = _run_step(b, _capture(to_device(second), to_device(sampled.abs()), [False] * 4, "k2",
+                                     computed=(3, 6, 10, 2)), [True] * 4, {}, {})
+    assert mode.mixed == [] and len(mode.syncs) == 2, (mode.mixed, mode.syncs)
+    assert out1.request_ids == ["r0", "r1", "r2"] and out1.num_scheduled_tokens == [3, 1, 1]
+    assert held == {"r3": 2}
+    assert out2.request_ids == EXT and out2.num_scheduled_tokens == [3, 1, 1, 4]
+    assert out2.query_start_loc.tolist() == [0, 3, 4, 5, 9]
+    assert torch.equal(to_host(out2.hidden_states), torch.cat((second[:5], first[5:7], second[5:7])))
+    assert b._ledger.held_rows() == {} and b._ledger.marks()["r3"] == 4
+    # r3 preempted in its second chunk and computed again from its start: held positions come out once
+    b = _backend(talker=False)
+    step1 = _run_step(b, _capture(first, sampled, [False, False, False, True], "k1"), [True] * 4, {}, {})
+    again = _run_step(b, _capture(second, sampled, [False, False, False, True], "k2", computed=(3, 6, 10, 0)),
+                      [True] * 4, {}, {})
+    assert b._ledger.held_rows() == {"r3": 2} and b._ledger.marks()["r3"] == 2
+    done = _run_step(b, _capture(first, sampled.abs(), [False] * 4, "k3", computed=(6, 7, 11, 1)),
+                     [True] * 4, {}, {})
+    assert step1.request_ids == again.request_ids == ["r0", "r1", "r2"]
+    assert done.num_scheduled_tokens[3] == 3
+    assert torch.equal(done.hidden_states[-3:], torch.cat((first[5:7], first[6:7])))
+    # a request that leaves the engine takes its held rows with it
+    _run_step(b, _capture(second, sampled, [False, False, False, True], "k4", computed=(9, 8, 12, 3)),
+              [True] * 4, {}, {})
+    assert b._ledger.held_rows() == {"r3": 2}
+    b._ledger.forget("r3")
+    assert "r3" not in b._ledger.held_rows() and "r3" not in b._ledger.marks()
 
 
 class _CopyCounter(TorchDispatchMode):
@@ -294,3 +341,30 @@ def test_lazy_values_compare_and_read_like_lists_and_dicts():
     assert next(calls) == 1, "computed once"
     d = LazyDict(lambda: {"a": 1})
     assert d == {"a": 1} and d.get("b") is None and set(d) == {"a"}
+
+
+def test_a_discarded_samples_draw_is_undone_for_cpu_generators():
+    """A partial prefill chunk's sample is discarded; vLLM rewinds the
+    request's generator by its offset, which CPU generators lack. The step
+    hook keeps the generators' states of the discarded rows (a fake runner
+    here: only the attributes read), so a seeded stream does not depend on
+    how a prompt was split."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from decoder_svc.vllm_engine.capture import _discarded_cpu_generators
+
+    gens = {0: torch.Generator().manual_seed(1), 2: torch.Generator().manual_seed(3)}
+    runner = SimpleNamespace(
+        input_batch=SimpleNamespace(generators=gens, num_reqs=3),
+        discard_request_mask=SimpleNamespace(np=np.array([False, True, True, True])),  # row 3: past num_reqs
+    )
+    saved = _discarded_cpu_generators(runner)
+    assert list(saved) == [2], "only discarded rows that have a generator"
+    gen, before = saved[2]
+    first = torch.rand(4, generator=gen)
+    gen.set_state(before)  # what the hook does after sampling
+    assert torch.equal(torch.rand(4, generator=gen), first), "the stream goes on as if the draw never happened"
+    runner.input_batch.generators = {}
+    assert _discarded_cpu_generators(runner) == {}

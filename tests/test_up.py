@@ -410,17 +410,20 @@ def test_configuration_doc_lists_every_option():
 def test_gateway_security_options_pass_through(tmp_path):
     cfg = _parse("--tls-cert", "/etc/omni/cert.pem", "--tls-key", "/etc/omni/key.pem",
                  "--auth-token-file", "/etc/omni/token",
-                 "--allowed-origins", "https://app.example,http://localhost:3000")
+                 "--allowed-origins", "https://app.example,http://localhost:3000", "--max-text-chars", "20000")
     gateway = service_commands(dataclasses.replace(cfg, deployment="d1"), tmp_path)[-1]
     flags = dict(zip(gateway.argv[3::2], gateway.argv[4::2], strict=True))
     assert flags["--tls-cert"] == "/etc/omni/cert.pem" and flags["--tls-key"] == "/etc/omni/key.pem"
     assert flags["--auth-token-file"] == "/etc/omni/token"
     assert flags["--allowed-origins"] == "https://app.example,http://localhost:3000"
+    assert flags["--max-text-chars"] == "20000"
     plain = service_commands(StackConfig(deployment="d1"), tmp_path)[-1].argv
-    passed = {"--tls-cert", "--tls-key", "--auth-token-file", "--allowed-origins"} & set(plain)
+    passed = {"--tls-cert", "--tls-key", "--auth-token-file", "--allowed-origins", "--max-text-chars"} & set(plain)
     assert not passed, f"empty options are not passed, got {passed}"
     with pytest.raises(ConfigError, match="tls_cert and tls_key"):
         _parse("--tls-cert", "/etc/omni/cert.pem")
+    with pytest.raises(ConfigError, match="max_text_chars"):
+        _parse("--max-text-chars", "-1")
 
 
 @pytest.mark.parametrize(

@@ -21,7 +21,7 @@ from omni_serving.v1 import common_pb2, decoder_pb2, decoder_pb2_grpc, gateway_p
 from omni_stack.config import StackConfig
 from omni_stack.stack import Stack
 from tests.fs_helpers import tree_snapshot
-from tests.speech_helpers import check_chunks, describe_pcm_difference, digest, speak_chunks
+from tests.speech_helpers import check_chunks, describe_pcm_difference, digest, metric, speak_chunks
 
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
@@ -31,10 +31,8 @@ PROMPTS = [(f"sentence number {i} for the speech engine", 1000 + i) for i in ran
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
-    from decoder_svc.qwen3_omni.tiny import create_tiny_checkpoint
-
-    return create_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "qwen3-omni-tiny")
+def checkpoint(tiny_checkpoint):
+    return tiny_checkpoint
 
 
 def start(tmp_path_factory, checkpoint, profile: str, sync: bool) -> Stack:
@@ -168,7 +166,7 @@ def test_engine_settings_reach_the_engine_and_are_reported(tmp_path_factory, che
         assert {k: settings[k] for k in ("max_num_seqs", "kv_cache_memory", "max_model_len", "dtype",
                                          "device", "enforce_eager", "enable_chunked_prefill")} == {
             "max_num_seqs": "8", "kv_cache_memory": str(48 * 2**20), "max_model_len": "1024",
-            "dtype": "float32", "device": "cpu", "enforce_eager": "true", "enable_chunked_prefill": "false",
+            "dtype": "float32", "device": "cpu", "enforce_eager": "true", "enable_chunked_prefill": "true",
         }, settings
         with urllib.request.urlopen(f"{stack.http_url}/v1/models", timeout=30) as resp:
             (card,) = json.load(resp)["data"]
@@ -251,14 +249,6 @@ def engine_processes(stack: Stack) -> dict[str, list[str]]:
         kind = next((k for k in ("stage thinker", "stage talker") if f"decoder {k}" in cmd), "other")
         kinds.setdefault(kind, []).append(cmd)
     return kinds
-
-
-def metric(stack: Stack, name: str) -> float:
-    """The sum of a series of the decoder's /metrics (all its label sets)."""
-    with urllib.request.urlopen(stack.service("decoder").metrics_url, timeout=10) as r:
-        text = r.read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name) and not line.startswith("#"))
 
 
 @pytest.mark.timeout(900)  # two vLLM stacks, prompts one at a time

@@ -159,9 +159,9 @@ class ThinkerBackend(VLLMBackend):
         prepare_vllm()
         kwargs: dict[str, Any] = {"limit_mm_per_prompt": {"audio": 0, "image": 0, "video": 0}}
         if self.capture_talker_inputs:
-            # Every prompt row goes to the talker: a prompt is prefilled in one
-            # step (a chunked prefill's partial rows sample nothing and are
-            # dropped with their row).
+            # Built without engine settings (which decide otherwise): a prompt
+            # is prefilled in one step. With chunked prefill every prompt row
+            # still reaches the talker (.step_assembly.RowLedger).
             kwargs.update(enable_chunked_prefill=False, max_num_batched_tokens=self._max_model_len)
         return kwargs
 
@@ -270,10 +270,10 @@ class TalkerBackend(VLLMBackend):
 
     def _engine_kwargs(self) -> dict[str, Any]:
         prepare_vllm()
-        # A prompt is prefilled in one step, never in chunks: vLLM's CPU runner
-        # cannot rewind a seeded request's generator for the discarded sample
-        # of a partial prefill ("CPU Generator does not use offset": the step
-        # fails), which many requests admitted between two steps would hit.
+        # Built without engine settings (which decide otherwise): a prompt is
+        # prefilled in one step. Chunked prefill works (a seeded request's CPU
+        # generator is rewound for a partial prefill's discarded sample by the
+        # step hook: .capture._discarded_cpu_generators).
         return {"skip_tokenizer_init": True, "tokenizer": None,
                 "enable_chunked_prefill": False, "max_num_batched_tokens": self._max_model_len}
 

@@ -119,13 +119,6 @@ class Qwen3OmniEngine:
 # Why the talker's engine runs in float32 (engine setting dtype)
 TALKER_FLOAT32_ONLY = ("the talker's input rows, code predictor and frame bookkeeping compute in float32 "
                        "only yet (a bfloat16 talker model would mix dtypes)")
-# Why a stage cannot prefill a prompt in chunks yet (engine setting enable_chunked_prefill)
-CHUNKED_PREFILL_REFUSED = {
-    "talker": "chunked prefill is not supported for the talker yet (a prompt is prefilled in one step: "
-              "vLLM's CPU runner cannot rewind a seeded request's generator for a partial prefill)",
-    "thinker": "chunked prefill is not supported for a thinker that feeds the talker yet (every prompt row "
-               "goes to the talker; a partial prefill's rows are not captured)",
-}
 
 
 def stage_settings(checkpoint: OmniCheckpoint, stage, *, platform: str | None = None, log_notes: bool = True,
@@ -141,16 +134,13 @@ def stage_settings(checkpoint: OmniCheckpoint, stage, *, platform: str | None = 
     kv_elements = kv_elements_per_token(checkpoint, role)
     dtype = (text.get("torch_dtype") or text.get("dtype") or cfg.get("torch_dtype")
              or checkpoint.config.get("torch_dtype") or checkpoint.config.get("dtype") or "bfloat16")
-    refusal = ""
-    if role == "talker" or (role == "thinker" and _feeds_talker(stage)):
-        refusal = CHUNKED_PREFILL_REFUSED[role]
     if platform is None:
         from decoder_svc.vllm_engine.engine_factory import engine_platform
 
         platform = engine_platform()
     eff = resolve(settings, stage=stage.name, platform=platform, checkpoint_dtype=str(dtype),
                   checkpoint_context=int(text["max_position_embeddings"]), kv_elements_per_token=kv_elements,
-                  chunked_prefill_refusal=refusal, float32_only=TALKER_FLOAT32_ONLY if role == "talker" else "")
+                  float32_only=TALKER_FLOAT32_ONLY if role == "talker" else "")
     if log_notes:
         for note in eff.notes:
             log.info("stage %s: %s", stage.name, note)
@@ -224,16 +214,18 @@ def _speakers(checkpoint: OmniCheckpoint) -> tuple[str, ...]:
     return tuple(str(k).lower() for k in checkpoint.talker_config["speaker_id"])
 
 
-def vocoder_placement(profile: Profile, *, log_it: bool = False) -> tuple[str, str]:
+def vocoder_placement(profile: Profile, *, log_it: bool = False, platform: str | None = None) -> tuple[str, str]:
     """(device, dtype) of the profile's generation stage (code2wav): its
-    ``engine:`` device and dtype, resolved for this process
-    (``decoder_svc.engine_settings.resolve_vocoder``)."""
-    import torch
+    ``engine:`` device and dtype, resolved for this process (or for
+    `platform`: "cpu", "cuda") (``decoder_svc.engine_settings.resolve_vocoder``)."""
+    if platform is None:
+        import torch
 
+        platform = "cuda" if torch.cuda.is_available() else "cpu"
     gen = next((s for s in profile.stages if s.kind == "generation"), None)
     name = gen.name if gen is not None else "code2wav"
     placement = resolve_vocoder(gen.engine if gen is not None else EngineSettings(), stage=name,
-                                platform="cuda" if torch.cuda.is_available() else "cpu")
+                                platform=platform)
     if log_it:
         log.info("stage %s: code2wav on %s in %s", name, *placement)
     return placement

@@ -77,11 +77,12 @@ from .pooling import PoolingEngine
 from .scheduling import SchedulerTap
 from .step_assembly import (
     Captured,
+    RowLedger,
+    RowPlan,
     VLLMStepOutput,
     build_step,
     engine_outputs,
     pop_capture,
-    recomputed_rows,
     take_capture,
     timed_codes,
 )
@@ -209,7 +210,7 @@ class VLLMBackend:
         self._ext_of: dict[str, str] = {}  # live internal id -> external id
         self._int_of: dict[str, str] = {}  # live external id -> internal id
         self._captured: deque[Captured] = deque()  # stage thread only
-        self._delivered: dict[str, int] = {}  # live external id -> positions whose rows were handed on
+        self._ledger = RowLedger()  # per live request: positions whose rows were handed on or held
         self._copy_hidden = False  # set once the engine is built (outputs_are_fresh)
         self._streaming: set[str] = set()  # live external ids whose input is still arriving
         self._tap: SchedulerTap | None = None  # step alignment, held requests (.scheduling)
@@ -456,7 +457,7 @@ class VLLMBackend:
         self._unstall()
         self._ext_of.pop(internal, None)
         self._streaming.discard(request_id)
-        self._delivered.pop(request_id, None)
+        self._ledger.forget(request_id)
         self._forget(request_id)
 
     def has_unfinished(self) -> bool:
@@ -517,7 +518,7 @@ class VLLMBackend:
             finished, text, engine_ids = engine_outputs(outputs, self._int_of)
             # Which captured rows are live: decided before this call's finishes
             # are retired (a finishing request's last row belongs to this step).
-            batches: list[tuple[Captured, list[bool], list[str], torch.Tensor | None]] = []
+            batches: list[tuple[Captured, list[bool], list[str], RowPlan | None]] = []
             for key in updated:
                 cap, dropped = pop_capture(self._captured, key)
                 self.dropped_rows += dropped
@@ -525,15 +526,15 @@ class VLLMBackend:
                     continue
                 ext_ids = [self._ext_of.get(r, "") for r in cap.req_ids]
                 live = [bool(e) for e in ext_ids]
-                batches.append((cap, live, ext_ids, recomputed_rows(cap, live, ext_ids, self._delivered)))
+                batches.append((cap, live, ext_ids, self._ledger.plan(cap, live, ext_ids)))
             for ext in finished:
                 internal = self._int_of.pop(ext, None)
                 if internal is not None:
                     self._retire(ext, internal)
         self.steps += 1
         outs = [
-            self._build(cap, live, ext_ids, finished, text, engine_ids, again)
-            for cap, live, ext_ids, again in batches
+            self._build(cap, live, ext_ids, finished, text, engine_ids, plan)
+            for cap, live, ext_ids, plan in batches
         ]
         if not outs:
             if finished:  # pragma: no cover - a finish without a captured step
@@ -547,19 +548,11 @@ class VLLMBackend:
                 self._ready.extend(outs[1:])
         return outs[0]
 
-    def _build(
-        self,
-        cap: Captured,
-        live: list[bool],
-        ext_ids: list[str],
-        finished: dict[str, str],
-        text: dict[str, str],
-        engine_ids: dict[str, list[int]],
-        again: torch.Tensor | None = None,
-    ) -> VLLMStepOutput:
-        """The step's output (``.step_assembly.build_step``: dropped rows; a recompute's rows handed on before)."""
+    def _build(self, cap: Captured, live: list[bool], ext_ids: list[str], finished: dict[str, str],
+               text: dict[str, str], engine_ids: dict[str, list[int]], plan: RowPlan | None = None) -> VLLMStepOutput:
+        """The step's output (``.step_assembly.build_step``: dropped rows; the ledger's plan)."""
         out, dropped = build_step(cap, live, ext_ids, finished, text, engine_ids, is_talker=self.is_talker,
-                                  again=again)
+                                  plan=plan)
         self.dropped_rows += dropped
         return out
 
@@ -586,7 +579,7 @@ class VLLMBackend:
             if self._closed:
                 return
             self._closed = True
-            for held in (self._ext_of, self._int_of, self._streaming, self._captured, self._ready, self._delivered):
+            for held in (self._ext_of, self._int_of, self._streaming, self._captured, self._ready, self._ledger):
                 held.clear()
             with FORWARD_LOCK:
                 try:

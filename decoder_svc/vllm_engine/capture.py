@@ -75,6 +75,8 @@ Private vLLM internals used (re-check on any vLLM upgrade)
   ``ExecuteModelState`` NamedTuple: scheduler_output, logits,
   spec_decode_metadata, ..., hidden_states, sample_hidden_states, ...),
   ``sample_tokens()``, ``_sample()`` -> ``SamplerOutput.sampled_token_ids``,
+  ``input_batch.generators`` (a seeded request's CPU generator is rewound
+  here: :func:`_discarded_cpu_generators`),
   ``input_batch.req_ids`` / ``num_reqs`` / ``num_computed_tokens_cpu`` /
   ``num_prompt_tokens``, buffers ``query_start_loc``, ``discard_request_mask``,
   ``positions``; ``model.lm_head``.
@@ -284,8 +286,34 @@ class _RunnerHookState:
         self.callbacks: list[StepCallback] = []
         self.step_index = 0
         self.pending_sampled: torch.Tensor | None = None
+        self.parked: dict[int, Any] = {}  # batch index -> CPU generator kept from vLLM's rewind this step
         self.num_steps_seen = 0
         self.num_callback_calls = 0
+
+
+def _discarded_cpu_generators(runner: Any) -> dict[int, tuple[Any, Any]]:
+    """Batch index -> (generator, its state) of the rows whose sampled token
+    this step discards (a partial prefill chunk) and whose request has its own
+    CPU generator (a seeded request).
+
+    vLLM rewinds such a generator after sampling so that the discarded draw
+    does not advance the request's stream (``gen.set_offset(gen.get_offset()
+    - 4)`` in ``_bookkeeping_sync``); a CPU generator has no offset, and the
+    step fails. The step hook does the same rewind with the generator's
+    state: saved before sampling, restored after, and the generator kept out
+    of the runner's map until the step's bookkeeping is done."""
+    ib = runner.input_batch
+    if not ib.generators:
+        return {}
+    import numpy as np
+
+    discard = runner.discard_request_mask.np[: ib.num_reqs]
+    out = {}
+    for i in np.nonzero(discard)[0].tolist():
+        gen = ib.generators.get(i)
+        if gen is not None and gen.device.type == "cpu":
+            out[i] = (gen, gen.get_state())
+    return out
 
 
 def _attach(runner: Any) -> _RunnerHookState:
@@ -306,11 +334,25 @@ def _attach(runner: Any) -> _RunnerHookState:
     orig_sample_tokens = runner.sample_tokens
 
     def _sample(logits, spec_decode_metadata):
+        saved = _discarded_cpu_generators(runner)
         out = orig_sample(logits, spec_decode_metadata)
         state.pending_sampled = out.sampled_token_ids
+        generators = runner.input_batch.generators
+        for i, (gen, before) in saved.items():
+            gen.set_state(before)  # the discarded row's draw is undone
+            generators.pop(i)  # until the step's bookkeeping is done (sample_tokens)
+        state.parked = {i: gen for i, (gen, _) in saved.items()}
         return out
 
     def sample_tokens(grammar_output):
+        try:
+            return _sample_tokens(grammar_output)
+        finally:
+            if state.parked:
+                runner.input_batch.generators.update(state.parked)
+                state.parked = {}
+
+    def _sample_tokens(grammar_output):
         ems = runner.execute_model_state
         callbacks = state.callbacks or _GLOBAL_CALLBACKS
         if ems is None or not callbacks:

@@ -1,4 +1,5 @@
-"""A backend's tap on its engine's scheduler: step alignment, steps in flight, held requests, preemptions.
+"""A backend's tap on its engine's scheduler: step alignment, steps in flight, held requests, preemptions,
+tokens per step.
 
 The step hook fires inside the runner, right after sampling; the engine's
 ``RequestOutput`` s (finish reasons, detokenized text) come from
@@ -40,7 +41,8 @@ class SchedulerTap:
 
     def __init__(self, engine: Any, held: Callable[[Any], set[str]], stage: str = "") -> None:
         """held(scheduler): internal ids of the running requests to hold this step;
-        stage: the label of its preemptions (``omni_decoder_preemptions_total``)."""
+        stage: the label of its series (``omni_decoder_preemptions_total``,
+        ``omni_decoder_step_tokens``)."""
         core = getattr(engine.engine_core, "engine_core", None)
         if core is None:  # pragma: no cover - make_engine is always in-process
             raise FailedPreconditionError("VLLMBackend needs an in-process engine core")
@@ -53,6 +55,7 @@ class SchedulerTap:
         # requests the scheduler preempted (KV freed for others; recomputed when they resume)
         self.preemptions = 0
         preempted = metrics.PREEMPTIONS.labels(stage)
+        step_tokens = metrics.STEP_TOKENS.labels(stage)
         orig = sched.update_from_output
         orig_schedule = sched.schedule
         updated = self.updated
@@ -90,6 +93,7 @@ class SchedulerTap:
                 preempted.inc(len(out.preempted_req_ids))
             if out.total_num_scheduled_tokens > 0:
                 in_flight[id(out)] = out
+                step_tokens.observe(out.total_num_scheduled_tokens)
             # Held requests fill the batch (or keep KV blocks a waiting request
             # needs) and nothing else could run: sleep until the input changes.
             self.stalled = bool(hold) and out.total_num_scheduled_tokens == 0

@@ -63,7 +63,7 @@ from omni_common.materialize import PER_TOKEN as TENSOR_LAYOUT_PER_TOKEN
 
 from .capture import StepCapture
 
-__all__ = ["Captured", "VLLMStepOutput", "build_step", "engine_outputs", "pop_capture", "recomputed_rows",
+__all__ = ["Captured", "RowLedger", "RowPlan", "VLLMStepOutput", "build_step", "engine_outputs", "pop_capture",
            "take_capture"]
 
 
@@ -118,6 +118,7 @@ class Captured:
     step_index: int
     req_ids: list[str]  # internal ids, batch order
     row_ok: torch.Tensor  # [n] bool (host): a token was sampled and kept
+    discarded: torch.Tensor  # [n] bool (host): the row's token is discarded (a partial prefill chunk)
     all_ok: bool  # row_ok.all()
     num_scheduled: torch.Tensor  # [n] int32 (host)
     computed: torch.Tensor  # [n] int32 (host): each request's tokens in KV before the step
@@ -195,6 +196,7 @@ def take_capture(
         step_index=cap.step_index,
         req_ids=cap.req_ids,
         row_ok=row_ok,
+        discarded=cap.discard_mask.to(torch.bool),
         all_ok=bool(row_ok.all()),
         num_scheduled=cap.num_scheduled_tokens,
         computed=cap.num_computed_tokens,
@@ -207,6 +209,39 @@ def take_capture(
     )
 
 
+def _with_held(
+    cap: Captured, rows: list[int], starts: torch.Tensor, nst: torch.Tensor,
+    held: dict[int, tuple[torch.Tensor | None, dict[str, torch.Tensor]]],
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
+    """(token row index, rows per kept request, hidden and extras to pick
+    from): the step's tensors with the held rows appended, each kept
+    request's held rows indexed ahead of its own (a step that ends a chunked
+    prefill: rare, one copy of the step's rows)."""
+    total = int(cap.query_start_loc[-1])
+    parts: list[torch.Tensor] = []
+    counts = nst.clone()
+    hidden_parts = [] if cap.hidden is None else [cap.hidden[:total]]
+    extra_parts: dict[str, list[torch.Tensor]] = {name: [t[:total]] for name, t in cap.extra.items()}
+    at = total
+    for j, i in enumerate(rows):
+        h_hidden, h_extra = held.get(i, (None, {}))
+        h = int(next(iter(h_extra.values())).shape[0]) if h_hidden is None and h_extra else (
+            0 if h_hidden is None else int(h_hidden.shape[0]))
+        if h:
+            parts.append(torch.arange(at, at + h, dtype=torch.int64))
+            at += h
+            counts[j] += h
+            if h_hidden is not None:
+                hidden_parts.append(h_hidden)
+            for name, t in h_extra.items():
+                extra_parts[name].append(t)
+        start, n = int(starts[j]), int(nst[j])
+        parts.append(torch.arange(start, start + n, dtype=torch.int64))
+    tok_idx = torch.cat(parts) if parts else torch.zeros(0, dtype=torch.int64)
+    hidden = None if cap.hidden is None else torch.cat(hidden_parts)
+    return tok_idx, counts, hidden, {name: torch.cat(ts) for name, ts in extra_parts.items()}
+
+
 def build_step(
     cap: Captured,
     live: list[bool],
@@ -216,18 +251,20 @@ def build_step(
     engine_ids: dict[str, list[int]],
     *,
     is_talker: bool,
-    again: torch.Tensor | None = None,
+    plan: RowPlan | None = None,
 ) -> tuple[VLLMStepOutput, int]:
     """(the step's output, rows dropped): batched row selection, dropping
-    dead / discarded / placeholder rows, and each row's first ``again[i]``
-    token rows (positions its request handed on before: :func:`recomputed_rows`).
+    dead / discarded / placeholder rows; with a ``plan``
+    (:meth:`RowLedger.plan`) each row's first ``plan.skip[i]`` token rows
+    (positions its request handed on before) are dropped and the rows held
+    from its partial-prefill steps come ahead of its own.
 
     Critical path: when every row is kept (the common step) the capture's
     tensors are handed on as they are; otherwise rows are picked with one
     index per device. Per-request lists and dicts are lazy."""
     n_all = len(cap.req_ids)
     dropped = 0
-    if again is None and cap.all_ok and all(live):
+    if plan is None and cap.all_ok and all(live):
         request_ids = ext_ids
         rows: Any = LazyList(lambda: range(n_all))
         nst, qsl, tokens = cap.num_scheduled, cap.query_start_loc, cap.tokens
@@ -240,20 +277,23 @@ def build_step(
         request_ids = [ext_ids[i] for i in rows]
         nst = cap.num_scheduled[idx]
         starts = cap.query_start_loc[:-1][idx].to(torch.int64)
-        if again is not None:  # a recompute's rows of positions delivered before: not again
-            nst = nst - again[idx]
-            starts = starts + again[idx]
+        if plan is not None and plan.skip is not None:  # a recompute's rows of positions handed on before
+            nst = nst - plan.skip[idx]
+            starts = starts + plan.skip[idx]
+        src_hidden, src_extra = cap.hidden, cap.extra
+        if plan is not None and plan.held:
+            tok_idx, nst, src_hidden, src_extra = _with_held(cap, rows, starts, nst, plan.held)
+        else:  # token rows of the kept requests, in order: [sum(nst)] int64
+            tok_idx = torch.arange(int(nst.sum()), dtype=torch.int64) + torch.repeat_interleave(
+                starts - (torch.cumsum(nst, 0) - nst).to(torch.int64), nst.to(torch.int64)
+            )
         qsl = torch.zeros(len(rows) + 1, dtype=torch.int32)
         qsl[1:] = torch.cumsum(nst, 0)
-        # token rows of the kept requests, in order: [sum(nst)] int64
-        tok_idx = torch.arange(int(qsl[-1]), dtype=torch.int64) + torch.repeat_interleave(
-            starts - qsl[:-1].to(torch.int64), nst.to(torch.int64)
-        )
         tokens = cap.tokens[idx]
         pick = _Picker(idx, tok_idx)
-        hidden = None if cap.hidden is None else pick.tokens(cap.hidden)
+        hidden = None if src_hidden is None else pick.tokens(src_hidden)
         codes = None if cap.codes is None else pick.rows(cap.codes)
-        extra = {name: pick.tokens(t) for name, t in cap.extra.items()}
+        extra = {name: pick.tokens(t) for name, t in src_extra.items()}
     new_ids: Any = {}
     deltas: Any = {}
     if not is_talker:  # text stage: token ids + text per row, as the engine reports them
@@ -295,39 +335,100 @@ def build_step(
     return out, dropped
 
 
-def recomputed_rows(cap: Captured, live: list[bool], ext_ids: list[str],
-                    delivered: dict[str, int]) -> torch.Tensor | None:
-    """Per row [n] int32: how many of its first token rows are of positions
-    its request handed on before (None when no row has any; ``build_step``'s
-    ``again``).
+@dataclass
+class RowPlan:
+    """How a step's per-token rows are handed on (:meth:`RowLedger.plan`).
 
-    A request the engine preempted lost its KV; when it resumes, its prompt
-    and every token decoded so far are computed again in one step. Their
-    per-token rows (hidden rows, extras) were handed on the first time: a
-    consumer gets each position's row once, as first computed (the thinker's
-    rows that condition the talker stay the ones its decode steps saw).
-    ``delivered`` (external id -> positions handed on, kept by the caller
-    while the request lives, under the lock that retires requests) is
-    updated for the kept rows. Steps without per-token rows, and steps with
-    speculative decoding (a rejected draft's position is computed again by
-    design; no such stage feeds the talker), are left alone."""
-    if (cap.hidden is None and not cap.extra) or cap.accepted is not None:
-        return None
-    computed = cap.computed.tolist()
-    counts = cap.num_scheduled.tolist()
-    ok = cap.row_ok.tolist()
-    again = None
-    for i, rid in enumerate(ext_ids):
-        if not (live[i] and ok[i]):
-            continue
-        start, end = computed[i], computed[i] + counts[i]
-        seen = delivered.get(rid, 0)
-        if seen > start:
-            if again is None:
-                again = torch.zeros(len(ext_ids), dtype=torch.int32)
-            again[i] = min(seen, end) - start
-        delivered[rid] = max(seen, end)
-    return again
+    ``skip`` [n] int32 (host), or None: each row's first token rows that are
+    of positions its request handed on (or held) before; ``held``: row ->
+    the rows its request's earlier partial-prefill steps computed
+    (``(hidden [h, H] or None, extras name -> [h, ...])``, on the runner's
+    device), handed on ahead of the row's own."""
+
+    skip: torch.Tensor | None
+    held: dict[int, tuple[torch.Tensor | None, dict[str, torch.Tensor]]]
+
+
+class RowLedger:
+    """Per live request: the positions whose per-token rows (hidden rows,
+    extras) were handed on or held, and the rows held.
+
+    Every position's row reaches consumers once, as first computed, and a
+    request's rows come out complete with the step that samples its next
+    token:
+
+    - a chunked prefill computes a long prompt over several steps; the steps
+      before the last sample nothing (vLLM discards their token), so their
+      rows are held here (one copy of those rows) and handed on ahead of the
+      rows of the step that samples: a consumer that needs every prompt row
+      (the thinker's rows conditioning the talker) gets them in one step, as
+      without chunking;
+    - a request the engine preempted lost its KV; when it resumes, its prompt
+      and every token decoded so far are computed again (in one step or in
+      chunks): rows of positions handed on or held before are skipped.
+
+    Steps without per-token rows, and steps with speculative decoding (a
+    rejected draft's position is computed again by design; no such stage
+    feeds the talker), are left alone. Called under the lock that retires
+    requests (:meth:`forget`), so no entry outlives its request."""
+
+    def __init__(self) -> None:
+        self._marks: dict[str, int] = {}  # external id -> positions handed on or held
+        self._held: dict[str, list[tuple[torch.Tensor | None, dict[str, torch.Tensor]]]] = {}
+
+    def plan(self, cap: Captured, live: list[bool], ext_ids: list[str]) -> RowPlan | None:
+        """The step's :class:`RowPlan` (None when every row is handed on as
+        computed: the common step); holds the rows of partial-prefill rows."""
+        if (cap.hidden is None and not cap.extra) or cap.accepted is not None:
+            return None
+        computed = cap.computed.tolist()
+        counts = cap.num_scheduled.tolist()
+        ok = cap.row_ok.tolist()
+        partial = cap.discarded.tolist()
+        qsl = cap.query_start_loc.tolist()
+        skip: torch.Tensor | None = None
+        held: dict[int, tuple[torch.Tensor | None, dict[str, torch.Tensor]]] = {}
+        for i, rid in enumerate(ext_ids):
+            if not live[i] or not (ok[i] or partial[i]):
+                continue
+            start, end = computed[i], computed[i] + counts[i]
+            seen = self._marks.get(rid, 0)
+            n_seen = min(max(seen - start, 0), counts[i])
+            self._marks[rid] = max(seen, end)
+            if not ok[i]:  # a partial prefill: its new rows wait for the step that samples
+                if n_seen < counts[i]:
+                    lo, hi = qsl[i] + n_seen, qsl[i + 1]
+                    self._held.setdefault(rid, []).append(
+                        (None if cap.hidden is None else cap.hidden[lo:hi].clone(),
+                         {name: t[lo:hi].clone() for name, t in cap.extra.items()}))
+                continue
+            if n_seen:
+                if skip is None:
+                    skip = torch.zeros(len(ext_ids), dtype=torch.int32)
+                skip[i] = n_seen
+            chunks = self._held.pop(rid, None)
+            if chunks:
+                held[i] = (None if chunks[0][0] is None else torch.cat([c[0] for c in chunks]),
+                           {name: torch.cat([c[1][name] for c in chunks]) for name in chunks[0][1]})
+        return None if skip is None and not held else RowPlan(skip, held)
+
+    def forget(self, request_id: str) -> None:
+        """The request left the engine: its marks and held rows go."""
+        self._marks.pop(request_id, None)
+        self._held.pop(request_id, None)
+
+    def clear(self) -> None:
+        self._marks.clear()
+        self._held.clear()
+
+    def marks(self) -> dict[str, int]:
+        """External id -> positions handed on or held (a copy; checks and tools)."""
+        return dict(self._marks)
+
+    def held_rows(self) -> dict[str, int]:
+        """External id -> rows held for it (checks and tools)."""
+        return {rid: sum(int(next(iter(c[1].values())).shape[0]) if c[0] is None else int(c[0].shape[0])
+                         for c in chunks) for rid, chunks in self._held.items()}
 
 
 def pop_capture(captured: deque[Captured], key: Any) -> tuple[Captured | None, int]:
