@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import threading
 from collections.abc import Callable
 
 from decoder_svc import metrics
@@ -54,6 +55,13 @@ from omni_common.shm_arena import ShmArena
 from omni_serving.v1 import decoder_pb2
 
 logger = logging.getLogger(__name__)
+
+
+def _stop_runner(name: str, runner) -> None:
+    try:
+        runner.stop()
+    except Exception:  # noqa: BLE001 -- stop the others
+        logger.exception("stopping stage %s failed", name)
 
 
 class Pipeline:
@@ -227,8 +235,13 @@ class Pipeline:
         """Stop the stages, deliver what they produced (bounded: a dead
         materializer costs no wait), stop code2wav and the engines, and end the
         requests still running with finish reason "shutdown"."""
-        for runner in self.runners.values():
-            runner.stop()
+        # at once: a stage process takes a second or two to end its engine and exit
+        stoppers = [threading.Thread(target=_stop_runner, args=(name, runner), name=f"stop-{name}")
+                    for name, runner in self.runners.items()]
+        for t in stoppers:
+            t.start()
+        for t in stoppers:
+            t.join()
         if self.link is not None:
             self.link.close()
         self.code2wav.stop()

@@ -555,23 +555,6 @@ def test_the_pipeline_speaks_the_same_with_worker_processes(prefix):
     assert got == want
 
 
-@pytest.fixture(scope="module")
-def tiny_checkpoint(tmp_path_factory):
-    """The tiny Qwen3-Omni checkpoint: the model cache's, else one written here (seconds)."""
-    from decoder_svc.qwen3_omni.cache import default_model_dir
-
-    cached = default_model_dir(create=False)
-    if cached.is_dir():
-        return cached
-    pytest.importorskip("transformers")
-    from omni_common import torchvision_compat
-
-    torchvision_compat.install()  # the torchvision shim, before transformers loads
-    from decoder_svc.qwen3_omni.tiny import create_tiny_checkpoint
-
-    return create_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "qwen3-omni-tiny")
-
-
 @pytest.mark.parametrize("threads", [1, 0], ids=["one_thread", "parents_threads"])
 def test_neural_code2wav_in_a_worker_gives_the_engines_audio_byte_for_byte(prefix, tiny_checkpoint, threads):
     """The checkpoint's Code2Wav, rebuilt in the worker from the directory

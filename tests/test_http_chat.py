@@ -458,11 +458,9 @@ def test_mid_stream_failure_raises_in_the_sdk(sock_dir: Path) -> None:
 @pytest.mark.vllm
 @pytest.mark.e2e
 @pytest.mark.timeout(900)  # a vLLM omni stack started, used and stopped: 290 s on busy cores
-def test_vllm_tiny_omni_chat_stream_equals_grpc_generate(tmp_path_factory) -> None:
+def test_vllm_tiny_omni_chat_stream_equals_grpc_generate(tmp_path_factory, tiny_checkpoint) -> None:
     pytest.importorskip("vllm")
-    from decoder_svc.qwen3_omni.tiny import create_tiny_checkpoint
-
-    checkpoint = create_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "qwen3-omni-tiny")
+    checkpoint = tiny_checkpoint
     # the chat request sets no audio cap: 4 s of audio, not the 60 s default
     stack = start_stack(tmp_path_factory, "omni", engine="vllm", model=str(checkpoint),
                         extra_decoder_args=["--default-audio-seconds", "4"])

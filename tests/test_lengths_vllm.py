@@ -32,10 +32,8 @@ RATE, SPF = 24_000, 1920
 
 
 @pytest.fixture(scope="module")
-def decoder(tmp_path_factory) -> Iterator[str]:
-    from decoder_svc.qwen3_omni.tiny import create_tiny_checkpoint
-
-    ckpt = create_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "qwen3-omni-tiny")
+def decoder(tiny_checkpoint) -> Iterator[str]:
+    ckpt = tiny_checkpoint
     run_dir = short_socket_dir()
     target = f"unix://{run_dir / 'decoder.sock'}"
     proc = subprocess.Popen(

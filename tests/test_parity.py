@@ -51,13 +51,11 @@ TALKER_DEFAULT_FRAMES = 64  # the talker's cap on the omni path: max_audio_secon
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory):
+def checkpoint(tiny_checkpoint):
     from omni_common import torchvision_compat
 
     torchvision_compat.install()  # the torchvision shim, before transformers loads
-    from decoder_svc.qwen3_omni.tiny import create_tiny_checkpoint
-
-    return create_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "qwen3-omni-tiny")
+    return tiny_checkpoint
 
 
 @pytest.fixture(scope="module")

@@ -34,11 +34,8 @@ WORDS = "the quick brown fox jumps over the lazy dog and speaks a little more".s
 
 
 @pytest.fixture(scope="module")
-def stack(tmp_path_factory):
-    from decoder_svc.qwen3_omni.tiny import create_tiny_checkpoint
-
-    ckpt = create_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "qwen3-omni-tiny")
-    s = Stack(StackConfig(engine="vllm", profile="tts", model=str(ckpt), port=0, http_port=0,
+def stack(tmp_path_factory, tiny_checkpoint):
+    s = Stack(StackConfig(engine="vllm", profile="tts", model=str(tiny_checkpoint), port=0, http_port=0,
                           runtime_dir=str(tmp_path_factory.mktemp("rt")), log_level="WARNING"))
     s.start(timeout_s=300)
     yield s

@@ -248,16 +248,15 @@ def _specs():
 
 
 @pytest.fixture(scope="module")
-def omni(tmp_path_factory):
+def omni(tiny_checkpoint):
     pytest.importorskip("vllm")
     from omni_common import torchvision_compat
 
     torchvision_compat.install()  # the torchvision shim, before transformers loads
     from decoder_svc.profile import load_profile
     from decoder_svc.qwen3_omni.engine import build_engine
-    from decoder_svc.qwen3_omni.tiny import create_tiny_checkpoint
 
-    ckpt = create_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "qwen3-omni-tiny")
+    ckpt = tiny_checkpoint
     profile = load_profile("omni")
     engine = build_engine(profile, ckpt, max_num_seqs=8)
     thinker = engine.backends["thinker"]

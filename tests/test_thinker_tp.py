@@ -40,13 +40,11 @@ ATOL = RTOL = 1e-4 if not torch.cuda.is_available() else 1e-3
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory) -> Path:
+def checkpoint(tiny_checkpoint) -> Path:
     from omni_common import torchvision_compat
 
     torchvision_compat.install()  # the torchvision shim, before transformers loads
-    from decoder_svc.qwen3_omni.tiny import create_tiny_checkpoint
-
-    return create_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "qwen3-omni-tiny")
+    return tiny_checkpoint
 
 
 def _omni_profile(tmp_path: Path, **thinker_keys):
