@@ -101,6 +101,53 @@ def _cmd_models_check(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_models_plan(args: argparse.Namespace) -> int:
+    """The memory plan of a checkpoint (or of the released one's configuration)
+    on this host or another: what the decoder prints and checks before any
+    engine starts, nothing loaded."""
+    from decoder_svc.engine_settings import _bytes, check_placement, parse_overrides
+    from decoder_svc.profile import load_profile
+    from decoder_svc.qwen3_omni.checkpoint import CheckpointError, OmniCheckpoint
+    from decoder_svc.qwen3_omni.family import memory_plan
+    from decoder_svc.qwen3_omni.memory_plan import PlanRefused
+    from decoder_svc.qwen3_omni.presets import ConfigCheckpoint, released_config
+    from omni_common.errors import InvalidArgumentError
+
+    def fail(message: str, code: int = 2) -> int:
+        print(f"omni-serving models plan: {message}", file=sys.stderr)
+        return code
+
+    if (args.dir is None) == (args.preset is None):
+        return fail("give a checkpoint directory or --preset released, not both")
+    if args.layers is not None and args.preset is None:
+        return fail("--layers goes with --preset")
+    try:
+        if args.preset is not None:
+            ckpt = ConfigCheckpoint(released_config(args.layers))
+        else:
+            ckpt = OmniCheckpoint.open(args.dir)
+        profile = load_profile(args.profile).with_engine_overrides(
+            parse_overrides([i.strip() for arg in args.engine_set for i in arg.split(",") if i.strip()],
+                            "--engine-set"), "--engine-set")
+        check_placement([(s.name, s.engine, s.tensor_parallel_size) for s in profile.ar_stages], own_processes=True)
+        totals = None
+        if args.gpus:
+            if args.gpu_memory is None:
+                return fail("--gpus needs --gpu-memory (each device's total memory, e.g. 141GB)")
+            each = _bytes("--gpu-memory", args.gpu_memory)
+            totals = {f"cuda:{i}": each for i in range(args.gpus)}
+        host = None if args.host_memory is None else _bytes("--host-memory", args.host_memory)
+        plan = memory_plan(ckpt, profile, code2wav_workers=args.code2wav_workers,
+                           platform="cuda" if args.gpus else "cpu", device_totals=totals, host_memory=host)
+    except (CheckpointError, InvalidArgumentError, ValueError) as exc:
+        return fail(str(exc))
+    except PlanRefused as exc:
+        return fail(str(exc), 1)
+    for line in plan.lines():
+        print(line)
+    return 0
+
+
 def _checkpoint_summary(ckpt) -> list[tuple[str, str]]:
     th = ckpt.thinker_config["text_config"]
     tk = ckpt.talker_config
@@ -231,6 +278,27 @@ def build_parser() -> argparse.ArgumentParser:
     )
     mk.add_argument("dir", help="checkpoint directory (only read)")
     mk.set_defaults(func=_cmd_models_check)
+    mp = msub.add_parser(
+        "plan",
+        help="print the memory plan of a checkpoint on this host or another (nothing loaded)",
+        description="Compute the memory plan the decoder prints and checks before any engine starts "
+        "(weights from the checkpoint's headers, KV, activations, per stage and device), for this host "
+        "or for one with --gpus devices of --gpu-memory each; exit 1 with the refusal when it does not fit.",
+    )
+    mp.add_argument("dir", nargs="?", default=None, help="checkpoint directory (only read)")
+    mp.add_argument("--preset", choices=["released"], default=None,
+                    help="instead of a directory: the released Qwen3-Omni-30B-A3B's configuration")
+    mp.add_argument("--layers", type=int, default=None, help="with --preset: layers per stack (default: as released)")
+    mp.add_argument("--profile", default="omni", help="deployment profile (default: omni)")
+    mp.add_argument("--engine-set", action="append", default=[], metavar="[STAGE.]KEY=VALUE",
+                    help="engine settings over the profile's, as the decoder takes them (repeatable; "
+                         "comma-separated items)")
+    mp.add_argument("--gpus", type=int, default=0, help="CUDA devices of the host planned for (default: 0, CPU)")
+    mp.add_argument("--gpu-memory", default=None, metavar="SIZE", help="each device's total memory (e.g. 141GB)")
+    mp.add_argument("--host-memory", default=None, metavar="SIZE",
+                    help="the host's memory available to the stack (default: this host's)")
+    mp.add_argument("--code2wav-workers", type=int, default=1, help="code2wav worker processes (default: 1)")
+    mp.set_defaults(func=_cmd_models_plan)
 
     bench = sub.add_parser("bench", help="benchmarks: step-gap, handoff, e2e (see --help)", add_help=False)
     bench.add_argument("rest", nargs=argparse.REMAINDER)

@@ -5,6 +5,7 @@ are checked with a fake device (its total memory given), no GPU needed."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -19,10 +20,8 @@ GiB = 2**30
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
-    from decoder_svc.qwen3_omni.tiny import create_tiny_checkpoint
-
-    return create_tiny_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny")
+def tiny(tiny_checkpoint):
+    return tiny_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -141,3 +140,65 @@ def test_the_decoder_refuses_a_plan_that_does_not_fit_before_loading(tiny, tmp_p
     assert run.returncode != 0
     assert "memory plan: the host needs" in run.stderr and "kv_cache_memory" in run.stderr, run.stderr[-2000:]
     assert "Loading safetensors" not in run.stderr, "an engine started before the plan was refused"
+
+
+# -- a checkpoint that is not here: the released configuration, and `models plan` -------------
+
+def test_the_released_configuration_counts_what_a_checkpoint_holds(tiny, ckpt):
+    """Element counts from the configuration alone (the model on the meta
+    device) equal the tiny checkpoint's headers; the released configuration
+    is a 35 B model, about 1.8 B at one layer per stack, with its
+    layer-indexed settings moved to the same relative depth."""
+    from decoder_svc.qwen3_omni.presets import (
+        RELEASED_LAYERS,
+        ConfigCheckpoint,
+        released_config,
+        stage_numel,
+    )
+
+    assert stage_numel(ckpt.config) == {p: ckpt.numel(p) for p in ("thinker.", "talker.", "code2wav.")}
+    full = ConfigCheckpoint(released_config())
+    assert full.thinker_config["text_config"]["num_hidden_layers"] == RELEASED_LAYERS["thinker"] == 48
+    assert 35.0e9 < sum(full.numel(p) for p in ("thinker.", "talker.", "code2wav.")) < 35.5e9
+    assert 31.5e9 < full.numel("thinker.") < 32e9 and 3.2e9 < full.numel("talker.") < 3.4e9
+    one = released_config(1)
+    assert one["talker_config"]["accept_hidden_layer"] == 0
+    assert one["thinker_config"]["vision_config"]["deepstack_visual_indexes"] == [0, 0, 0]
+    assert 1.7e9 < sum(stage_numel(one).values()) < 1.9e9
+    twelve = released_config(12)
+    assert twelve["talker_config"]["accept_hidden_layer"] == 6
+    assert twelve["thinker_config"]["vision_config"]["deepstack_visual_indexes"] == [4, 7, 11]
+    with pytest.raises(ValueError, match="layers"):
+        released_config(0)
+
+
+def _plan(*argv: str) -> subprocess.CompletedProcess:
+    # the deployment's settings only (the tests' float32 default left out: the released checkpoint's dtype)
+    env = {k: v for k, v in os.environ.items() if k != "OMNI_ENGINE_SET"}
+    return subprocess.run([sys.executable, "-m", "omni_cli.main", "models", "plan", *argv],
+                          capture_output=True, text=True, timeout=300, env=env)
+
+
+def test_models_plan_for_a_host_that_is_not_this_one(tiny):
+    """`omni-serving models plan`: the released checkpoint on one 141 GB GPU
+    (refused with the profile's default shares, planned with shares that add
+    up) and on two; a checkpoint directory on this host."""
+    one_gpu = ("--preset", "released", "--gpus", "1", "--gpu-memory", "141GB", "--host-memory", "64GiB")
+    refused = _plan(*one_gpu)
+    assert refused.returncode == 1 and "add up to 1.80 (thinker 0.9, talker 0.9)" in refused.stderr, refused.stderr
+    shared = _plan(*one_gpu, "--engine-set", "thinker.gpu_memory_utilization=0.75,talker.gpu_memory_utilization=0.15")
+    assert shared.returncode == 0, shared.stderr
+    lines = shared.stdout.splitlines()
+    assert lines[0] == "memory plan (3 stages):" and "thinker   on cuda    weights 59.08 GiB" in lines[1], lines
+    assert "share 0.75 of 131.32 GiB" in lines[1] and "talker    on cuda    weights 12.39 GiB" in lines[2], lines
+    two = _plan("--preset", "released", "--gpus", "2", "--gpu-memory", "141GB", "--host-memory", "64GiB",
+                "--engine-set", "talker.device=cuda:1,code2wav.device=cuda:1")
+    assert two.returncode == 0 and "talker    on cuda:1" in two.stdout and "thinker   on cuda:0" not in two.stdout
+    assert "thinker   on cuda " in two.stdout, two.stdout
+    here = _plan(str(tiny))
+    assert here.returncode == 0 and "host:" in here.stdout.splitlines()[-1], here.stderr
+    for bad, needle in [((), "give a checkpoint directory or --preset"),
+                        (("--preset", "released", "--gpus", "1"), "--gpus needs --gpu-memory"),
+                        ((str(tiny), "--layers", "2"), "--layers goes with --preset")]:
+        run = _plan(*bad)
+        assert run.returncode == 2 and needle in run.stderr, (bad, run.stderr)

@@ -340,8 +340,26 @@ def _file_stamp(path: Path) -> bytes:
     return f"{path.name}:{st.st_size}:{st.st_mtime_ns}".encode()
 
 
+class SubConfigs:
+    """The sub-configurations of a Qwen3-Omni ``config.json`` (``self.config``)."""
+
+    config: dict
+
+    @property
+    def thinker_config(self) -> dict:
+        return self.config["thinker_config"]
+
+    @property
+    def talker_config(self) -> dict:
+        return self.config["talker_config"]
+
+    @property
+    def code2wav_config(self) -> dict:
+        return self.config["code2wav_config"]
+
+
 @dataclass(frozen=True)
-class OmniCheckpoint:
+class OmniCheckpoint(SubConfigs):
     """A validated Qwen3-Omni-MoE checkpoint directory (see the module docstring)."""
 
     path: Path
@@ -378,19 +396,6 @@ class OmniCheckpoint:
         _check_tensors(config, weight_map, shapes, path, index_file)
         _check_tokenizer(path)
         return cls(path=path, config=config, generation_config=generation, weight_map=weight_map, shapes=shapes)
-
-    # -- sub-configs
-    @property
-    def thinker_config(self) -> dict:
-        return self.config["thinker_config"]
-
-    @property
-    def talker_config(self) -> dict:
-        return self.config["talker_config"]
-
-    @property
-    def code2wav_config(self) -> dict:
-        return self.config["code2wav_config"]
 
     # -- weights
     def shard_files(self, prefix: str = "") -> list[Path]:

@@ -56,20 +56,26 @@ def build_engine(
 
 
 def memory_plan(checkpoint: OmniCheckpoint, profile: Profile, *, code2wav_workers: int,
-                max_num_seqs: int | None = None) -> MemoryPlan:
+                max_num_seqs: int | None = None, platform: str | None = None,
+                device_totals: dict[str, int] | None = None, host_memory: int | None = None) -> MemoryPlan:
     """The profile's memory plan on `checkpoint` (``.memory_plan``), against
     this host's available memory and its CUDA devices' totals; PlanRefused
-    when it does not fit."""
+    when it does not fit. `platform` ("cpu", "cuda"), `device_totals` and
+    `host_memory`: another host's, to plan for it (``omni-serving models
+    plan``); `checkpoint` may then be a ``.presets.ConfigCheckpoint``."""
     stages = []
     for stage in profile.ar_stages:
         role = stage.engine_role or stage.name
-        stages.append((stage.name, role, stage_settings(checkpoint, stage, log_notes=False,
+        stages.append((stage.name, role, stage_settings(checkpoint, stage, log_notes=False, platform=platform,
                                                         max_num_seqs=max_num_seqs)))
     kv_bytes = {name: kv_elements_per_token(checkpoint, role) * (4 if eff.dtype == "float32" else 2)
                 for name, role, eff in stages}
-    code2wav = vocoder_placement(profile)
-    totals = cuda_totals() if any(eff.on_cuda for _, _, eff in stages) or code2wav[0] != "cpu" else {}
-    return plan_memory(checkpoint, stages, code2wav_workers=code2wav_workers, host_available=host_available(),
+    code2wav = vocoder_placement(profile, platform=platform)
+    totals = device_totals
+    if totals is None:
+        totals = cuda_totals() if any(eff.on_cuda for _, _, eff in stages) or code2wav[0] != "cpu" else {}
+    return plan_memory(checkpoint, stages, code2wav_workers=code2wav_workers,
+                       host_available=host_available() if host_memory is None else host_memory,
                        device_totals=totals, kv_bytes_per_token=kv_bytes, code2wav=code2wav)
 
 
