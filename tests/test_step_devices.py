@@ -223,8 +223,16 @@ def test_a_chunked_prefills_rows_come_whole_with_the_step_that_samples():
     assert step1.request_ids == again.request_ids == ["r0", "r1", "r2"]
     assert done.num_scheduled_tokens[3] == 3
     assert torch.equal(done.hidden_states[-3:], torch.cat((first[5:7], first[6:7])))
+    # a prompt in three chunks: the rows of both partial ones come out, in order, ahead of the last one's
+    b = _backend(talker=False)
+    partial = [False, False, False, True]
+    _run_step(b, _capture(first, sampled, partial, "c1", computed=(0, 5, 9, 0)), [True] * 4, {}, {})
+    _run_step(b, _capture(second, sampled, partial, "c2", computed=(3, 6, 10, 2)), [True] * 4, {}, {})
+    last = _run_step(b, _capture(first, sampled.abs(), [False] * 4, "c3", computed=(6, 7, 11, 4)), [True] * 4, {}, {})
+    assert last.num_scheduled_tokens[3] == 6
+    assert torch.equal(last.hidden_states[-6:], torch.cat((first[5:7], second[5:7], first[5:7])))
     # a request that leaves the engine takes its held rows with it
-    _run_step(b, _capture(second, sampled, [False, False, False, True], "k4", computed=(9, 8, 12, 3)),
+    _run_step(b, _capture(second, sampled, [False, False, False, True], "k4", computed=(9, 8, 12, 6)),
               [True] * 4, {}, {})
     assert b._ledger.held_rows() == {"r3": 2}
     b._ledger.forget("r3")

@@ -12,8 +12,9 @@ Two halves, both on the stage thread:
 - :func:`build_step`, once the engine processed the step: batched row
   selection. Rows dropped (consistently across request ids, spans, tokens,
   hidden rows and codes): rows whose sampled token is discarded (a partial
-  prefill chunk) or a ``-1`` placeholder, and rows of requests that already
-  finished or were aborted. When every row is kept (the common step) the
+  prefill chunk: its per-token rows are held by :class:`RowLedger` and come
+  out with the step that samples) or a ``-1`` placeholder, and rows of
+  requests that already finished or were aborted. When every row is kept (the common step) the
   capture's tensors are handed on as they are; otherwise rows are picked
   with index tensors on the tensors' own device (no boolean masks: their
   size is data-dependent, which would sync). Per-request lists and dicts are
@@ -63,7 +64,7 @@ from omni_common.materialize import PER_TOKEN as TENSOR_LAYOUT_PER_TOKEN
 
 from .capture import StepCapture
 
-__all__ = ["Captured", "RowLedger", "RowPlan", "VLLMStepOutput", "build_step", "engine_outputs", "pop_capture",
+__all__ = ["Captured", "HeldRows", "RowLedger", "RowPlan", "VLLMStepOutput", "build_step", "engine_outputs", "pop_capture",
            "take_capture"]
 
 
@@ -211,7 +212,7 @@ def take_capture(
 
 def _with_held(
     cap: Captured, rows: list[int], starts: torch.Tensor, nst: torch.Tensor,
-    held: dict[int, tuple[torch.Tensor | None, dict[str, torch.Tensor]]],
+    held: dict[int, HeldRows],
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, dict[str, torch.Tensor]]:
     """(token row index, rows per kept request, hidden and extras to pick
     from): the step's tensors with the held rows appended, each kept
@@ -224,16 +225,14 @@ def _with_held(
     extra_parts: dict[str, list[torch.Tensor]] = {name: [t[:total]] for name, t in cap.extra.items()}
     at = total
     for j, i in enumerate(rows):
-        h_hidden, h_extra = held.get(i, (None, {}))
-        h = int(next(iter(h_extra.values())).shape[0]) if h_hidden is None and h_extra else (
-            0 if h_hidden is None else int(h_hidden.shape[0]))
-        if h:
-            parts.append(torch.arange(at, at + h, dtype=torch.int64))
-            at += h
-            counts[j] += h
-            if h_hidden is not None:
-                hidden_parts.append(h_hidden)
-            for name, t in h_extra.items():
+        h = held.get(i)
+        if h is not None:
+            parts.append(torch.arange(at, at + h.count, dtype=torch.int64))
+            at += h.count
+            counts[j] += h.count
+            if h.hidden is not None:
+                hidden_parts.append(h.hidden)
+            for name, t in h.extra.items():
                 extra_parts[name].append(t)
         start, n = int(starts[j]), int(nst[j])
         parts.append(torch.arange(start, start + n, dtype=torch.int64))
@@ -336,17 +335,35 @@ def build_step(
 
 
 @dataclass
+class HeldRows:
+    """Per-token rows of positions computed by partial-prefill steps, held
+    for the step that samples (on the runner's device)."""
+
+    count: int
+    hidden: torch.Tensor | None  # [count, H]
+    extra: dict[str, torch.Tensor]  # name -> [count, ...]
+
+    @staticmethod
+    def join(chunks: list[HeldRows]) -> HeldRows:
+        first = chunks[0]
+        if len(chunks) == 1:
+            return first
+        return HeldRows(sum(c.count for c in chunks),
+                        None if first.hidden is None else torch.cat([c.hidden for c in chunks if c.hidden is not None]),
+                        {name: torch.cat([c.extra[name] for c in chunks]) for name in first.extra})
+
+
+@dataclass
 class RowPlan:
     """How a step's per-token rows are handed on (:meth:`RowLedger.plan`).
 
     ``skip`` [n] int32 (host), or None: each row's first token rows that are
     of positions its request handed on (or held) before; ``held``: row ->
-    the rows its request's earlier partial-prefill steps computed
-    (``(hidden [h, H] or None, extras name -> [h, ...])``, on the runner's
-    device), handed on ahead of the row's own."""
+    the rows its request's earlier partial-prefill steps computed, handed on
+    ahead of the row's own."""
 
     skip: torch.Tensor | None
-    held: dict[int, tuple[torch.Tensor | None, dict[str, torch.Tensor]]]
+    held: dict[int, HeldRows]
 
 
 class RowLedger:
@@ -374,7 +391,7 @@ class RowLedger:
 
     def __init__(self) -> None:
         self._marks: dict[str, int] = {}  # external id -> positions handed on or held
-        self._held: dict[str, list[tuple[torch.Tensor | None, dict[str, torch.Tensor]]]] = {}
+        self._held: dict[str, list[HeldRows]] = {}
 
     def plan(self, cap: Captured, live: list[bool], ext_ids: list[str]) -> RowPlan | None:
         """The step's :class:`RowPlan` (None when every row is handed on as
@@ -387,7 +404,7 @@ class RowLedger:
         partial = cap.discarded.tolist()
         qsl = cap.query_start_loc.tolist()
         skip: torch.Tensor | None = None
-        held: dict[int, tuple[torch.Tensor | None, dict[str, torch.Tensor]]] = {}
+        held: dict[int, HeldRows] = {}
         for i, rid in enumerate(ext_ids):
             if not live[i] or not (ok[i] or partial[i]):
                 continue
@@ -398,9 +415,9 @@ class RowLedger:
             if not ok[i]:  # a partial prefill: its new rows wait for the step that samples
                 if n_seen < counts[i]:
                     lo, hi = qsl[i] + n_seen, qsl[i + 1]
-                    self._held.setdefault(rid, []).append(
-                        (None if cap.hidden is None else cap.hidden[lo:hi].clone(),
-                         {name: t[lo:hi].clone() for name, t in cap.extra.items()}))
+                    self._held.setdefault(rid, []).append(HeldRows(
+                        hi - lo, None if cap.hidden is None else cap.hidden[lo:hi].clone(),
+                        {name: t[lo:hi].clone() for name, t in cap.extra.items()}))
                 continue
             if n_seen:
                 if skip is None:
@@ -408,8 +425,7 @@ class RowLedger:
                 skip[i] = n_seen
             chunks = self._held.pop(rid, None)
             if chunks:
-                held[i] = (None if chunks[0][0] is None else torch.cat([c[0] for c in chunks]),
-                           {name: torch.cat([c[1][name] for c in chunks]) for name in chunks[0][1]})
+                held[i] = HeldRows.join(chunks)
         return None if skip is None and not held else RowPlan(skip, held)
 
     def forget(self, request_id: str) -> None:
@@ -427,8 +443,7 @@ class RowLedger:
 
     def held_rows(self) -> dict[str, int]:
         """External id -> rows held for it (checks and tools)."""
-        return {rid: sum(int(next(iter(c[1].values())).shape[0]) if c[0] is None else int(c[0].shape[0])
-                         for c in chunks) for rid, chunks in self._held.items()}
+        return {rid: sum(c.count for c in chunks) for rid, chunks in self._held.items()}
 
 
 def pop_capture(captured: deque[Captured], key: Any) -> tuple[Captured | None, int]:
