@@ -89,9 +89,30 @@ def generate(stack: Stack, prompt: str) -> tuple[list[int], str]:
 
 
 def steps_over(stack: Stack, stage: str, tokens: int) -> float:
-    """Steps of `stage` that scheduled more than `tokens` tokens."""
+    """Steps of `stage` that scheduled more than `tokens` tokens (once the
+    stage process's series reached the decoder's /metrics: :func:`settled`)."""
+    settled(stack, stage)
     return (metric(stack, "omni_decoder_step_tokens_count", stage=stage)
             - metric(stack, "omni_decoder_step_tokens_bucket", stage=stage, le=f"{float(tokens)}"))
+
+
+def settled(stack: Stack, stage: str) -> None:
+    """Wait until an idle stage's series on the decoder's /metrics are
+    current: a stage process sends a snapshot of them about once a second,
+    so its step count must stay the same over three such periods."""
+    from decoder_svc.stage.messages import METRICS_EVERY, STATUS_INTERVAL_S
+
+    period = METRICS_EVERY * STATUS_INTERVAL_S
+    deadline = time.monotonic() + 60
+    last, since = -1.0, time.monotonic()
+    while True:
+        count = metric(stack, "omni_decoder_step_tokens_count", stage=stage)
+        if count != last:
+            last, since = count, time.monotonic()
+        elif time.monotonic() - since >= 3 * period:
+            return
+        assert time.monotonic() < deadline, f"{stage}: its step count kept changing for 60 s"
+        time.sleep(period / 2)
 
 
 @pytest.mark.timeout(900)
@@ -126,7 +147,7 @@ def test_a_long_prompt_is_prefilled_within_the_step_budget_among_decoding_reques
                 errors.append(f"client {k}: {exc}")
             streams[k] = chunks
 
-        before = {s: (metric(stack, "omni_decoder_step_tokens_count", stage=s), steps_over(stack, s, BUDGET // 2))
+        before = {s: (steps_over(stack, s, BUDGET // 2), metric(stack, "omni_decoder_step_tokens_count", stage=s))
                   for s in ("thinker", "talker")}
         clients = [threading.Thread(target=speak, args=(k,)) for k in range(CLIENTS)]
         for t in clients:
@@ -141,9 +162,9 @@ def test_a_long_prompt_is_prefilled_within_the_step_budget_among_decoding_reques
         for stage in ("thinker", "talker"):
             assert steps_over(stack, stage, BUDGET) == 0, f"a {stage} step scheduled more than {BUDGET} tokens"
             # the prompt went in chunks: steps more than half full, at least as many as it takes
-            chunks = steps_over(stack, stage, BUDGET // 2) - before[stage][1]
+            chunks = steps_over(stack, stage, BUDGET // 2) - before[stage][0]
             assert chunks >= PROMPT_TOKENS // BUDGET, f"{stage}: {chunks} steps over {BUDGET // 2} tokens"
-            steps = metric(stack, "omni_decoder_step_tokens_count", stage=stage) - before[stage][0]
+            steps = metric(stack, "omni_decoder_step_tokens_count", stage=stage) - before[stage][1]
             assert steps > FRAMES, f"{stage}: {steps} steps"
         # batched with 16 others the thinker's reply may differ in its last bits (tests/test_vllm_e2e.py:
         # CPU kernels are not batch invariant); it is complete, with audio

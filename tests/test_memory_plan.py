@@ -5,7 +5,6 @@ are checked with a fake device (its total memory given), no GPU needed."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 
@@ -172,33 +171,48 @@ def test_the_released_configuration_counts_what_a_checkpoint_holds(tiny, ckpt):
         released_config(0)
 
 
-def _plan(*argv: str) -> subprocess.CompletedProcess:
-    # the deployment's settings only (the tests' float32 default left out: the released checkpoint's dtype)
-    env = {k: v for k, v in os.environ.items() if k != "OMNI_ENGINE_SET"}
-    return subprocess.run([sys.executable, "-m", "omni_cli.main", "models", "plan", *argv],
-                          capture_output=True, text=True, timeout=300, env=env)
+@pytest.fixture
+def plan_cli(monkeypatch, capsys):
+    """`omni-serving models plan ARGS` in this process: (exit code, stdout, stderr). The
+    deployment's settings only (the tests' float32 default left out: the released checkpoint's dtype)."""
+    from omni_cli.main import main
+
+    monkeypatch.delenv("OMNI_ENGINE_SET", raising=False)
+
+    def run(*argv: str) -> tuple[int, str, str]:
+        code = main(["models", "plan", *argv])
+        out = capsys.readouterr()
+        return code, out.out, out.err
+
+    return run
 
 
-def test_models_plan_for_a_host_that_is_not_this_one(tiny):
+def test_models_plan_for_a_host_that_is_not_this_one(tiny, plan_cli):
     """`omni-serving models plan`: the released checkpoint on one 141 GB GPU
     (refused with the profile's default shares, planned with shares that add
     up) and on two; a checkpoint directory on this host."""
     one_gpu = ("--preset", "released", "--gpus", "1", "--gpu-memory", "141GB", "--host-memory", "64GiB")
-    refused = _plan(*one_gpu)
-    assert refused.returncode == 1 and "add up to 1.80 (thinker 0.9, talker 0.9)" in refused.stderr, refused.stderr
-    shared = _plan(*one_gpu, "--engine-set", "thinker.gpu_memory_utilization=0.75,talker.gpu_memory_utilization=0.15")
-    assert shared.returncode == 0, shared.stderr
-    lines = shared.stdout.splitlines()
+    code, _, err = plan_cli(*one_gpu)
+    assert code == 1 and "add up to 1.80 (thinker 0.9, talker 0.9)" in err, err
+    code, out, err = plan_cli(*one_gpu, "--engine-set",
+                              "thinker.gpu_memory_utilization=0.75,talker.gpu_memory_utilization=0.15")
+    assert code == 0, err
+    lines = out.splitlines()
     assert lines[0] == "memory plan (3 stages):" and "thinker   on cuda    weights 59.08 GiB" in lines[1], lines
     assert "share 0.75 of 131.32 GiB" in lines[1] and "talker    on cuda    weights 12.39 GiB" in lines[2], lines
-    two = _plan("--preset", "released", "--gpus", "2", "--gpu-memory", "141GB", "--host-memory", "64GiB",
-                "--engine-set", "talker.device=cuda:1,code2wav.device=cuda:1")
-    assert two.returncode == 0 and "talker    on cuda:1" in two.stdout and "thinker   on cuda:0" not in two.stdout
-    assert "thinker   on cuda " in two.stdout, two.stdout
-    here = _plan(str(tiny))
-    assert here.returncode == 0 and "host:" in here.stdout.splitlines()[-1], here.stderr
+    code, out, err = plan_cli("--preset", "released", "--gpus", "2", "--gpu-memory", "141GB", "--host-memory",
+                              "64GiB", "--engine-set", "talker.device=cuda:1,code2wav.device=cuda:1")
+    assert code == 0 and "talker    on cuda:1" in out and "thinker   on cuda " in out, (out, err)
+    code, out, err = plan_cli(str(tiny))
+    assert code == 0 and "host:" in out.splitlines()[-1], err
     for bad, needle in [((), "give a checkpoint directory or --preset"),
                         (("--preset", "released", "--gpus", "1"), "--gpus needs --gpu-memory"),
                         ((str(tiny), "--layers", "2"), "--layers goes with --preset")]:
-        run = _plan(*bad)
-        assert run.returncode == 2 and needle in run.stderr, (bad, run.stderr)
+        code, _, err = plan_cli(*bad)
+        assert code == 2 and needle in err, (bad, err)
+
+
+def test_the_cli_runs_models_plan():
+    run = subprocess.run([sys.executable, "-m", "omni_cli.main", "models", "plan", "--help"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0 and "--gpu-memory" in run.stdout, run.stderr

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import time
 
 import grpc
 import pytest
@@ -87,7 +88,13 @@ def test_preempted_requests_keep_their_thinker_stream_and_finish(tmp_path_factor
         assert preemptions(stack, "thinker") == 0 and preemptions(stack, "talker") == 0, "one request fits alone"
         with concurrent.futures.ThreadPoolExecutor(len(PROMPTS)) as pool:
             together = dict(zip(PROMPTS, pool.map(lambda p: generate(stack, p), PROMPTS), strict=True))
-        counts = {s: preemptions(stack, s) for s in ("thinker", "talker")}
+        # the stage processes' counts reach the decoder's /metrics about once a second
+        deadline = time.monotonic() + 10
+        while True:
+            counts = {s: preemptions(stack, s) for s in ("thinker", "talker")}
+            if (counts["thinker"] > 0 and counts["talker"] > 0) or time.monotonic() > deadline:
+                break
+            time.sleep(0.5)
         assert counts["thinker"] > 0 and counts["talker"] > 0, f"no preemption under a tight KV budget: {counts}"
         for p in PROMPTS:
             (ids, text, audio), (want_ids, want_text, _) = together[p], alone[p]
