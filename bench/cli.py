@@ -13,6 +13,11 @@ regenerates bench/RESULTS.md from the results files that
 bench/results/INDEX.yaml names (bench/report.py); `--check` fails when
 RESULTS.md differs from what the files give.
 
+`checkpoint` (not part of all) serves one checkpoint as a user would
+(`--checkpoint DIR`, e.g. one written by `omni-serving models create
+--preset released`) and records its memory plan, resident memory per
+process, TTFP per concurrency, step composition and Code2Wav's RTF.
+
 `code-predictor` (not part of all) has its own options
 (`omni-serving bench code-predictor --help`) and writes its results file the
 same way.
@@ -32,8 +37,9 @@ SUITES = ("step-gap", "handoff", "e2e")
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="omni-serving bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("suite", choices=(*SUITES, "all", "breakdown", "code-predictor"),
+    p.add_argument("suite", choices=(*SUITES, "all", "breakdown", "checkpoint", "code-predictor"),
                    help="which benchmark to run (breakdown: a diagnostic of the critical path, not part of all; "
+                        "checkpoint: one checkpoint served, not part of all; "
                         "code-predictor: its own options, see `code-predictor --help`)")
     p.add_argument("--quick", action="store_true",
                    help="tiny sizes for CI (batch 1 and 4, payloads up to 1 MiB, concurrency 1 and 4, fake engine)")
@@ -53,14 +59,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--failover", action="store_true",
                    help="e2e: then SIGKILL one decoder of the async stack under load and measure the time "
                         "until requests succeed again (needs --replicas 2 or more)")
+    p.add_argument("--checkpoint", default="", metavar="DIR",
+                   help="checkpoint: the checkpoint directory to serve (only read; default: the model cache's "
+                        "tiny checkpoint)")
     p.add_argument("--concurrency", default="", metavar="C[,C...]",
-                   help="e2e: client concurrency levels (default: 1,16,64; --quick 1,4)")
+                   help="e2e and checkpoint: client concurrency levels (default: e2e 1,16,64, --quick 1,4; "
+                        "checkpoint 1,16, --quick 1,2)")
     p.add_argument("--requests", type=int, default=0, metavar="N",
-                   help="e2e: requests per level (default: per level, 16/96/384; --quick 3/8)")
+                   help="e2e and checkpoint: requests per level (default: e2e 16/96/384, --quick 3/8; "
+                        "checkpoint 4/32, --quick 2/2)")
     return p
 
 
 def run_suite(name: str, args: argparse.Namespace, out_dir: Path):
+    concurrency = tuple(int(c) for c in args.concurrency.split(",") if c.strip())
     if name == "step-gap":
         from bench import step_gap
 
@@ -72,9 +84,13 @@ def run_suite(name: str, args: argparse.Namespace, out_dir: Path):
     if name == "e2e":
         from bench import e2e
 
-        concurrency = tuple(int(c) for c in args.concurrency.split(",") if c.strip())
         return e2e.run(e2e.E2EConfig.for_run(args.quick, args.engine, args.e2e_model_dir, args.replicas,
                                              args.failover, concurrency, args.requests), out_dir)
+    if name == "checkpoint":
+        from bench import checkpoint
+
+        return checkpoint.run(checkpoint.CheckpointConfig.for_run(args.quick, args.checkpoint, concurrency,
+                                                                  args.requests), out_dir)
     if name == "breakdown":
         from bench import breakdown, step_gap
 

@@ -54,6 +54,7 @@ RENDERERS = {
     "handoff": "bench.handoff",
     "e2e": "bench.e2e",
     "breakdown": "bench.breakdown",
+    "checkpoint": "bench.checkpoint",
     "code2wav-stream": "bench.code2wav_stream",
     "code-predictor": "bench.code_predictor",
 }

@@ -55,26 +55,41 @@ def _cmd_speak(args: argparse.Namespace) -> int:
 
 
 def _cmd_models_create(args: argparse.Namespace) -> int:
-    from decoder_svc.qwen3_omni.cache import default_model_dir
+    from decoder_svc.qwen3_omni.cache import default_model_dir, released_model_dir
+    from decoder_svc.qwen3_omni.released import create_released_checkpoint
     from decoder_svc.qwen3_omni.tiny import create_tiny_checkpoint
 
-    if args.out is None:
-        if args.seed not in (None, 0):
-            print("omni-serving models create: --seed needs --out (the model cache's tiny "
-                  "checkpoint is written with seed 0)", file=sys.stderr)
-            return 2
-        path = default_model_dir()
-    else:
-        out = Path(args.out)
-        if out.exists() or out.is_symlink():
-            print(f"omni-serving models create: {out} exists; give a new directory "
-                  "(an existing one is left untouched)", file=sys.stderr)
-            return 2
-        try:
-            path = create_tiny_checkpoint(out, seed=args.seed or 0)
-        except FileExistsError as exc:  # created by someone else meanwhile
-            print(f"omni-serving models create: {exc}", file=sys.stderr)
-            return 2
+    def fail(message: str) -> int:
+        print(f"omni-serving models create: {message}", file=sys.stderr)
+        return 2
+
+    def say(message: str) -> None:
+        print(f"omni-serving models create: {message}", file=sys.stderr, flush=True)
+
+    released = args.preset == "released"
+    if args.layers is not None and not released:
+        return fail("--layers goes with --preset released")
+    layers = 1 if args.layers is None else args.layers
+    if layers < 1:
+        return fail(f"--layers: at least 1, got {layers}")
+    try:
+        if args.out is None:
+            if args.seed not in (None, 0):
+                return fail("--seed needs --out (the model cache's checkpoints are written with seed 0)")
+            path = released_model_dir(layers, progress=say) if released else default_model_dir()
+        else:
+            out = Path(args.out)
+            if out.exists() or out.is_symlink():
+                return fail(f"{out} exists; give a new directory (an existing one is left untouched)")
+            if released:
+                path = create_released_checkpoint(out, layers=layers, seed=args.seed or 0, progress=say)
+            else:
+                path = create_tiny_checkpoint(out, seed=args.seed or 0)
+    except FileExistsError as exc:  # created by someone else meanwhile
+        return fail(str(exc))
+    except OSError as exc:  # no space, no permission: nothing is left behind
+        print(f"omni-serving models create: {exc}", file=sys.stderr)
+        return 1
     print(path)
     return 0
 
@@ -260,15 +275,18 @@ def build_parser() -> argparse.ArgumentParser:
     msub = models.add_subparsers(dest="models_command", required=True)
     mc = msub.add_parser(
         "create",
-        help="write the tiny random-weight Qwen3-Omni checkpoint (the layout of the released ones)",
-        description="Write the tiny random-weight Qwen3-Omni-MoE checkpoint to a new directory "
-        "(default: the model cache's, which the decoder serves when no --model is given) and "
-        "print its path.",
+        help="write a random-weight Qwen3-Omni checkpoint in the released layout (tiny, or at the released widths)",
+        description="Write a random-weight Qwen3-Omni-MoE checkpoint to a new directory and print its path. "
+        "Default: the tiny one (the model cache's, which the decoder serves when no --model is given). "
+        "--preset released: the released 30B-A3B's widths, special token ids and layout in bfloat16 shards, "
+        "with --layers N layers per stack (N = 1: about 1.8 B parameters, 3.4 GiB); see docs/models.md.",
     )
     mc.add_argument("--out", metavar="DIR", default=None,
-                    help="new directory to write (must not exist; default: the model cache's tiny "
-                         "checkpoint, written once)")
+                    help="new directory to write (must not exist; default: the model cache's, written once)")
     mc.add_argument("--seed", type=int, default=None, help="weight seed, with --out (default: 0)")
+    mc.add_argument("--preset", choices=["tiny", "released"], default="tiny",
+                    help="tiny (default) or released (the released widths)")
+    mc.add_argument("--layers", type=int, default=None, help="with --preset released: layers per stack (default: 1)")
     mc.set_defaults(func=_cmd_models_create)
     mk = msub.add_parser(
         "check",

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -148,6 +149,7 @@ def test_the_released_configuration_counts_what_a_checkpoint_holds(tiny, ckpt):
     device) equal the tiny checkpoint's headers; the released configuration
     is a 35 B model, about 1.8 B at one layer per stack, with its
     layer-indexed settings moved to the same relative depth."""
+    from decoder_svc.qwen3_omni.checkpoint import _validate_config
     from decoder_svc.qwen3_omni.presets import (
         RELEASED_LAYERS,
         ConfigCheckpoint,
@@ -161,12 +163,14 @@ def test_the_released_configuration_counts_what_a_checkpoint_holds(tiny, ckpt):
     assert 35.0e9 < sum(full.numel(p) for p in ("thinker.", "talker.", "code2wav.")) < 35.5e9
     assert 31.5e9 < full.numel("thinker.") < 32e9 and 3.2e9 < full.numel("talker.") < 3.4e9
     one = released_config(1)
-    assert one["talker_config"]["accept_hidden_layer"] == 0
+    assert one["talker_config"]["accept_hidden_layer"] == 1  # hidden states: 0 is the embeddings
     assert one["thinker_config"]["vision_config"]["deepstack_visual_indexes"] == [0, 0, 0]
     assert 1.7e9 < sum(stage_numel(one).values()) < 1.9e9
     twelve = released_config(12)
     assert twelve["talker_config"]["accept_hidden_layer"] == 6
     assert twelve["thinker_config"]["vision_config"]["deepstack_visual_indexes"] == [4, 7, 11]
+    for layers in (1, 2, 3, 12, 48):  # what a checkpoint's config.json must satisfy
+        _validate_config(Path("config.json"), released_config(layers))
     with pytest.raises(ValueError, match="layers"):
         released_config(0)
 

@@ -3,8 +3,9 @@
 Layout under ``model_cache_root()``::
 
     qwen3-omni-tiny-v<TINY_FORMAT>/    the tiny checkpoint served when no model is given
+    qwen3-omni-released-l<N>-v<F>/     the released widths at N layers (``models create --preset released``)
     derived/<fingerprint>/<name>/      files derived from a checkpoint (e.g. config views)
-    .qwen3-omni-tiny.lock              serializes creating the tiny checkpoint
+    .qwen3-omni-tiny.lock              serializes creating the checkpoints above
 
 A checkpoint directory a user gives is only ever read; whatever serving
 derives from it goes under ``derived/``, keyed by the checkpoint's fingerprint
@@ -26,7 +27,7 @@ from decoder_svc.qwen3_omni.tiny import TINY_FORMAT, create_tiny_checkpoint
 if TYPE_CHECKING:
     from decoder_svc.qwen3_omni.checkpoint import OmniCheckpoint
 
-__all__ = ["model_cache_root", "default_model_dir", "derived_dir", "TINY_DIR_NAME"]
+__all__ = ["model_cache_root", "default_model_dir", "released_model_dir", "derived_dir", "TINY_DIR_NAME"]
 
 TINY_DIR_NAME = f"qwen3-omni-tiny-v{TINY_FORMAT}"
 _LOCK_NAME = ".qwen3-omni-tiny.lock"
@@ -50,8 +51,23 @@ def default_model_dir(*, create: bool = True) -> Path:
     does not exist or is complete. Temporary siblings left by a killed writer
     are removed under the same lock.
     """
+    return _cached(TINY_DIR_NAME, create_tiny_checkpoint, create=create)
+
+
+def released_model_dir(layers: int, *, create: bool = True, progress=None) -> Path:  # noqa: ANN001
+    """The released-widths checkpoint with ``layers`` layers per stack (seed 0)
+    in the cache, written on first use when ``create`` (as :func:`default_model_dir`)."""
+    from decoder_svc.qwen3_omni.released import RELEASED_FORMAT, create_released_checkpoint
+
+    if layers < 1:
+        raise ValueError(f"layers: at least 1, got {layers}")
+    return _cached(f"qwen3-omni-released-l{layers}-v{RELEASED_FORMAT}",
+                   lambda target: create_released_checkpoint(target, layers=layers, progress=progress), create=create)
+
+
+def _cached(name: str, write, *, create: bool) -> Path:  # noqa: ANN001
     root = model_cache_root()
-    target = root / TINY_DIR_NAME
+    target = root / name
     if target.is_dir() or not create:
         return target
     root.mkdir(parents=True, exist_ok=True)
@@ -60,10 +76,10 @@ def default_model_dir(*, create: bool = True) -> Path:
         try:
             if target.is_dir():  # another process wrote it while we waited
                 return target
-            for stale in root.glob(f".{TINY_DIR_NAME}-*"):
+            for stale in root.glob(f".{name}-*"):
                 if stale.is_dir():
                     shutil.rmtree(stale, ignore_errors=True)
-            create_tiny_checkpoint(target)
+            write(target)
         finally:
             fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
     return target

@@ -97,9 +97,10 @@ _RELEASED: dict[str, Any] = {
 }
 
 
-def _at_depth(index: int, released: int, layers: int) -> int:
-    """A layer index of a stack of `released` layers, at the same relative depth in one of `layers`."""
-    return min(layers - 1, round(index * layers / released))
+def _at_depth(index: int, released: int, layers: int, *, first: int = 0) -> int:
+    """A layer index of a stack of `released` layers, at the same relative
+    depth in one of `layers`; indexes run from `first` to `layers - 1 + first`."""
+    return max(first, min(layers - 1 + first, round(index * layers / released)))
 
 
 def released_config(layers: int | None = None) -> dict[str, Any]:
@@ -117,7 +118,9 @@ def released_config(layers: int | None = None) -> dict[str, Any]:
     vision["depth"] = layers
     vision["deepstack_visual_indexes"] = [_at_depth(i, RELEASED_LAYERS["vision"], layers)
                                           for i in vision["deepstack_visual_indexes"]]
-    talker["accept_hidden_layer"] = _at_depth(talker["accept_hidden_layer"], RELEASED_LAYERS["thinker"], layers)
+    # the talker's index counts hidden states (0 = the embeddings, i = layer i's output)
+    talker["accept_hidden_layer"] = _at_depth(talker["accept_hidden_layer"], RELEASED_LAYERS["thinker"], layers,
+                                              first=1)
     talker["text_config"]["num_hidden_layers"] = layers
     talker["code_predictor_config"]["num_hidden_layers"] = layers
     cfg["code2wav_config"]["num_hidden_layers"] = layers
