@@ -56,7 +56,10 @@ def test_a_cpu_plan_adds_up_and_prints(ckpt):
     talker = _cpu(kv_cache_memory=64 * 2**20)
     plan = plan_memory(ckpt, [("talker", "talker", talker)], code2wav_workers=2, host_available=64 * GiB)
     t, c = plan.stages
-    assert (t.weights, t.kv, t.runtime) == (ckpt.numel("talker.") * 4, 64 * 2**20, RUNTIME_BYTES["stage"])
+    # on CPU vLLM keeps the codec embedding and head twice (their weights and a packed copy)
+    packed = ckpt.numel("talker.model.codec_embedding.") + ckpt.numel("talker.codec_head.")
+    assert packed == 2 * 3072 * ckpt.talker_config["text_config"]["hidden_size"]
+    assert (t.weights, t.kv, t.runtime) == ((ckpt.numel("talker.") + packed) * 4, 64 * 2**20, RUNTIME_BYTES["stage"])
     assert (c.name, c.copies, c.weights) == ("code2wav", 2, ckpt.numel("code2wav.") * 4)
     assert plan.host_needed == RUNTIME_BYTES["decoder"] + t.total + c.total
     text = "\n".join(plan.lines())
@@ -126,7 +129,9 @@ def test_the_family_plans_the_profile_on_this_host(ckpt):
 
     plan = memory_plan(ckpt, load_profile("omni"), code2wav_workers=1)
     assert [s.name for s in plan.stages] == ["thinker", "talker", "code2wav"]
-    assert plan.stages[0].weights == ckpt.numel("thinker.") * 4  # float32 (tests pin it)
+    packed = ckpt.numel("thinker.model.embed_tokens.") + ckpt.numel("thinker.lm_head.")  # twice on CPU
+    assert packed == 2 * 1024 * 128
+    assert plan.stages[0].weights == (ckpt.numel("thinker.") + packed) * 4  # float32 (tests pin it)
     assert 0 < plan.host_needed <= plan.host_available
 
 

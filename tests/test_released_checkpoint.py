@@ -125,7 +125,7 @@ def test_create_the_released_widths_at_one_layer(tmp_path, capsys):
         assert "thinker:     1 layers, hidden 2048, vocab 152064, 128 experts (8 per token)" in cap
         assert main(["models", "plan", str(out)]) == 0  # float32 here (the tests' setting)
         plan = capsys.readouterr().out
-        assert "thinker   on cpu     weights 5.31 GiB" in plan, plan
+        assert "thinker   on cpu     weights 7.63 GiB" in plan, plan
     finally:
         shutil.rmtree(out, ignore_errors=True)
 

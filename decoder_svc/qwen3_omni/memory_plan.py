@@ -5,7 +5,9 @@ and for code2wav:
 
 - **weights**: the elements of its tensors (``thinker.*``, ``talker.*``,
   ``code2wav.*``, from the shards' headers, nothing loaded) at the dtype it
-  runs in (code2wav: float32, one copy per worker process);
+  runs in (code2wav: float32, one copy per worker process); on CPU an AR
+  stage's token embedding and LM head count twice (``CPU_PACKED``: vLLM's CPU
+  GEMM keeps their weights and a packed copy for its matrix products);
 - **KV cache**: on CPU its ``kv_cache_memory``; on CUDA what its
   ``gpu_memory_utilization`` share leaves after weights and activations;
 - **activations**: an estimate, 16 hidden-size rows per batched token plus
@@ -42,6 +44,11 @@ RUNTIME_BYTES = {"stage": 700 * 2**20, "decoder": 400 * 2**20, "code2wav": 400 *
 # stages on one device may add up to (the rest: CUDA contexts, code2wav, torch).
 MAX_DEVICE_SHARE = 0.95
 _DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Per AR role, the vocabulary-sized layers vLLM builds as VocabParallelEmbedding:
+# on CPU each keeps its weight beside the packed copy its GEMM uses
+# (vllm/model_executor/layers/vocab_parallel_embedding.py, remove_weight=False).
+CPU_PACKED = {"thinker": ("thinker.model.embed_tokens.", "thinker.lm_head."),
+              "talker": ("talker.model.codec_embedding.", "talker.codec_head.")}
 
 
 class PlanRefused(FailedPreconditionError):
@@ -104,6 +111,7 @@ def _ar_memory(checkpoint: OmniCheckpoint, name: str, role: str, eff: EffectiveS
     hidden, vocab = int(text["hidden_size"]), int(text["vocab_size"])
     activations = eff.max_num_batched_tokens * hidden * width * 16 + eff.max_num_seqs * vocab * 4 * 2
     if not eff.on_cuda:
+        weights += sum(checkpoint.numel(prefix) for prefix in CPU_PACKED.get(role, ())) * width
         return StageMemory(name, "cpu", weights, eff.kv_cache_memory, activations, RUNTIME_BYTES["stage"])
     total = device_totals.get(_device_key(eff.device), 0)
     kv = max(int(eff.gpu_memory_utilization * total) - weights - activations, 0)

@@ -127,19 +127,25 @@ def released_config(layers: int | None = None) -> dict[str, Any]:
     return cfg
 
 
-def stage_numel(config: dict[str, Any]) -> dict[str, int]:
-    """Elements of the tensors under each top-level prefix ("thinker.",
-    "talker.", "code2wav.") of a checkpoint with this ``config.json``: the
-    model built on the meta device (nothing allocated)."""
+def tensor_numel(config: dict[str, Any]) -> dict[str, int]:
+    """Elements of each tensor of a checkpoint with this ``config.json``: the
+    model built on the meta device (nothing allocated); MoE experts under
+    their fused names (the element counts are the same)."""
     import torch
     from transformers import Qwen3OmniMoeConfig, Qwen3OmniMoeForConditionalGeneration
 
     with torch.device("meta"):
         model = Qwen3OmniMoeForConditionalGeneration(Qwen3OmniMoeConfig(**copy.deepcopy(config)))
+    return {name: p.numel() for name, p in model.state_dict().items()}
+
+
+def stage_numel(config: dict[str, Any]) -> dict[str, int]:
+    """Elements of the tensors under each top-level prefix ("thinker.",
+    "talker.", "code2wav.") of a checkpoint with this ``config.json``."""
     out: dict[str, int] = {}
-    for name, p in model.state_dict().items():
+    for name, n in tensor_numel(config).items():
         prefix = name.split(".", 1)[0] + "."
-        out[prefix] = out.get(prefix, 0) + p.numel()
+        out[prefix] = out.get(prefix, 0) + n
     return out
 
 
@@ -154,7 +160,8 @@ class ConfigCheckpoint(SubConfigs):
 
     def __post_init__(self) -> None:
         if not self._numel:
-            self._numel = stage_numel(self.config)
+            self._numel = tensor_numel(self.config)
 
     def numel(self, prefix: str) -> int:
-        return sum(n for p, n in self._numel.items() if p.startswith(prefix) or prefix.startswith(p))
+        """Elements of the tensors named `prefix*` (as ``OmniCheckpoint.numel``)."""
+        return sum(n for name, n in self._numel.items() if name.startswith(prefix))
