@@ -11,7 +11,8 @@
 # 2. prints the memory plan for this GPU (`omni-serving models plan`, the
 #    numbers the decoder checks before any engine starts);
 # 3. serves it with every stage on the GPU (`device=cuda`, the thinker in the
-#    checkpoint's bfloat16, CUDA graphs: `enforce_eager` auto) through
+#    checkpoint's bfloat16, CUDA graphs: `enforce_eager` auto, shares 0.75
+#    for the thinker and 0.15 for the talker) through
 #    `omni-serving bench checkpoint` at concurrency 1 and 32, which prints
 #    and records TTFP, RTF, the vocoder's RTF, resident memory per process and
 #    where a step goes (a results file under bench/results/, a run folder with
@@ -57,7 +58,9 @@ elif [ ! -d "${CHECKPOINT}" ]; then
 fi
 echo "gpu_serve_released: checkpoint ${CHECKPOINT}"
 
-export OMNI_ENGINE_SET="device=cuda${OMNI_ENGINE_SET:+,${OMNI_ENGINE_SET}}"
+# every stage on the one GPU: shares that add up (docs/deployment.md, "The memory plan")
+SETTINGS="device=cuda,code2wav.device=cuda,thinker.gpu_memory_utilization=0.75,talker.gpu_memory_utilization=0.15"
+export OMNI_ENGINE_SET="${SETTINGS}${OMNI_ENGINE_SET:+,${OMNI_ENGINE_SET}}"
 echo "gpu_serve_released: engine settings ${OMNI_ENGINE_SET}"
 "${CLI}" models plan "${CHECKPOINT}" --profile omni --gpus 1 --gpu-memory "${GPU_MIB}MiB"
 
