@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from .presets import released_config
-from .tiny import CHAT_TEMPLATE, GENERATION_CONFIG
+from .tiny import CHAT_TEMPLATE, GENERATION_CONFIG, chat_tokenizer
 
 __all__ = [
     "RELEASED_FORMAT",
@@ -91,7 +91,6 @@ _CORPUS: tuple[str, ...] = (
 def released_tokenizer():
     """The tokenizer described in the module docstring (a ``PreTrainedTokenizerFast``)."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     bpe = Tokenizer(models.BPE())
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -120,15 +119,7 @@ def released_tokenizer():
         (tok.add_special_tokens if special else tok.add_tokens)([AddedToken(t, special=special, normalized=False)])
         if tok.token_to_id(t) != tid:
             raise AssertionError(f"{t} got id {tok.token_to_id(t)}, not {tid}")
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        model_max_length=65536,
-        clean_up_tokenization_spaces=False,
-        extra_special_tokens={},
-    )
-    fast.chat_template = CHAT_TEMPLATE
+    fast = chat_tokenizer(tok, model_max_length=65536)
     head = fast.apply_chat_template([{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=True)
     head = head["input_ids"] if isinstance(head, dict) or hasattr(head, "keys") else head
     if head[-3:-1] != [FIRST_SPECIAL_ID + 1, ROLE_WORDS["assistant"]] or len(fast.decode(head[-1:])) != 1:

@@ -96,9 +96,25 @@ HIDDEN = 128
 HEAD_DIM = 64
 
 
+def chat_tokenizer(tok, *, model_max_length: int):  # noqa: ANN001, ANN201
+    """A ``tokenizers.Tokenizer`` as the ``PreTrainedTokenizerFast`` a checkpoint
+    saves: end of turn ``<|im_end|>``, padding ``<|endoftext|>``, the chat template."""
+    from transformers import PreTrainedTokenizerFast
+
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        model_max_length=model_max_length,
+        clean_up_tokenization_spaces=False,
+        extra_special_tokens={},
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
 def _tokenizer():
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -111,15 +127,7 @@ def _tokenizer():
         show_progress=False,
     )
     tok.train_from_iterator(list(_CORPUS) * 4, trainer=trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
-        model_max_length=2048,
-        clean_up_tokenization_spaces=False,
-        extra_special_tokens={},
-    )
-    fast.chat_template = CHAT_TEMPLATE
+    fast = chat_tokenizer(tok, model_max_length=2048)
     for t in SPECIAL_TOKENS:  # the ids config.json names
         assert fast.convert_tokens_to_ids(t) == _ID[t], t
     return fast
