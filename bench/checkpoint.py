@@ -38,6 +38,7 @@ from bench import record, step_parts
 from bench.common import (
     RssSampler,
     SuiteResult,
+    finite,
     log,
     machine_md,
     md_table,
@@ -234,7 +235,8 @@ def analyze(rec: dict[str, Any]) -> dict[str, Any]:
         a, b = lv["metrics"]["before"], lv["metrics"]["after"]
         levels[c] = {
             "requests": len(reqs), "wall_s": wall, "throughput_rps": len(reqs) / wall,
-            "ttfp_ms": summary([r["first_audio_s"] for r in reqs if r["first_audio_s"] is not None], 1e3),
+            # a request with no audio (a reply too short to speak) has no first audio
+            "ttfp_ms": summary([r["first_audio_s"] for r in reqs if finite(r["first_audio_s"])], 1e3),
             "request_ms": summary([r["wall_s"] for r in reqs], 1e3),
             # a request's wall time per second of its audio (below 1: faster than playback)
             "rtf": summary([r["wall_s"] / (r["audio_bytes"] / AUDIO_BYTES_PER_SECOND) for r in reqs
