@@ -59,9 +59,9 @@ def _cmd_models_create(args: argparse.Namespace) -> int:
     from decoder_svc.qwen3_omni.released import create_released_checkpoint
     from decoder_svc.qwen3_omni.tiny import create_tiny_checkpoint
 
-    def fail(message: str) -> int:
+    def fail(message: str, code: int = 2) -> int:
         print(f"omni-serving models create: {message}", file=sys.stderr)
-        return 2
+        return code
 
     def say(message: str) -> None:
         print(f"omni-serving models create: {message}", file=sys.stderr, flush=True)
@@ -88,8 +88,7 @@ def _cmd_models_create(args: argparse.Namespace) -> int:
     except FileExistsError as exc:  # created by someone else meanwhile
         return fail(str(exc))
     except OSError as exc:  # no space, no permission: nothing is left behind
-        print(f"omni-serving models create: {exc}", file=sys.stderr)
-        return 1
+        return fail(str(exc), 1)
     print(path)
     return 0
 
