@@ -411,14 +411,13 @@ def resolve(
     checkpoint_context: int,
     kv_elements_per_token: int,
     bf16_cpu: bool | None = None,
-    float32_only: str = "",
 ) -> EffectiveSettings:
     """`settings` made concrete for `stage` on `platform` ("cpu" or "cuda",
     what vLLM runs on here). ``checkpoint_dtype``: the checkpoint's
     ``torch_dtype``; ``checkpoint_context``: its ``max_position_embeddings``;
-    ``kv_bytes_per_token``: the KV cache bytes one token takes (all layers).
-    ``float32_only``: non-empty when the stage runs in
-    float32 only, and why (``auto`` is then float32, another dtype refused)."""
+    ``kv_elements_per_token``: the KV cache elements one token takes (all
+    layers); ``bf16_cpu``: whether this processor computes bfloat16 (None:
+    ask it)."""
     notes: list[str] = []
     device = _placed(settings, stage, platform, f"vLLM runs on {platform} here")
     if device == "cpu" and platform == "cuda":
@@ -427,11 +426,6 @@ def resolve(
     on_cuda = device.startswith("cuda")
 
     dtype = settings.dtype
-    if float32_only and dtype not in (AUTO, "float32"):
-        raise InvalidArgumentError(f"engine.{stage}.dtype", f"stage {stage}: {dtype} is not supported: {float32_only}")
-    if dtype == AUTO and float32_only:
-        dtype = "float32"
-        notes.append(f"dtype auto: float32 ({float32_only})")
     if dtype == AUTO:
         if on_cuda:
             dtype = _TORCH_DTYPES.get(checkpoint_dtype, "bfloat16")

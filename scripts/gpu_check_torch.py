@@ -9,7 +9,8 @@ any failed, 2 if CUDA is not available. Together well under 5 minutes.
 Checks:
 - ``predictor-graph-replay``: the code predictor captured as one CUDA graph
   per (bucket, candidate count) gives, on replay, the codes and embedding sums
-  of the same frame run eagerly on the device (bitwise), for greedy and
+  of the same frame run eagerly on the device (bitwise; in float32 and in
+  bfloat16, the talker's dtype on CUDA), for greedy and
   sampled rows at several buckets; a second replay with other inputs gives
   its own eager result (the static buffers are refilled, the outputs copied).
 - ``predictor-seeded-sampler``: the counter-based noise on the device equals
@@ -77,8 +78,9 @@ def expect(ok: bool, what: str) -> None:
         raise CheckFailed(what)
 
 
-def predictors(cfg: dict, device: torch.device, seed: int = 0) -> tuple[CodePredictor, CodePredictor]:
-    """(graphs, eager): the same random weights on the device."""
+def predictors(cfg: dict, device: torch.device, seed: int = 0,
+               dtype: torch.dtype = torch.float32) -> tuple[CodePredictor, CodePredictor]:
+    """(graphs, eager): the same random weights on the device, in ``dtype``."""
     gen = torch.Generator().manual_seed(seed)
     graphs = CodePredictor(cfg, cuda_graphs=True)
     with torch.no_grad():
@@ -90,7 +92,7 @@ def predictors(cfg: dict, device: torch.device, seed: int = 0) -> tuple[CodePred
                 p.copy_(torch.randn(p.shape, generator=gen) * std)
     eager = CodePredictor(cfg, cuda_graphs=False)
     eager.load_state_dict(graphs.state_dict())
-    return graphs.to(device), eager.to(device)
+    return graphs.to(device=device, dtype=dtype), eager.to(device=device, dtype=dtype)
 
 
 def rows(n: int, device: torch.device, seed: int, hidden: int, greedy_every: int = 4, top_k0_every: int = 0):
@@ -106,8 +108,13 @@ def rows(n: int, device: torch.device, seed: int, hidden: int, greedy_every: int
 
 
 def check_graph_replay(cfg: dict, device: torch.device, batches: tuple[int, ...] = (1, 7, 16, 40, 64)) -> str:
-    graphs, eager = predictors(cfg, device)
-    notes = []
+    notes = [_graph_replay(cfg, device, batches, torch.float32),
+             _graph_replay(cfg, device, batches, torch.bfloat16)]  # the talker's dtype on CUDA
+    return "; ".join(notes)
+
+
+def _graph_replay(cfg: dict, device: torch.device, batches: tuple[int, ...], dtype: torch.dtype) -> str:
+    graphs, eager = predictors(cfg, device, dtype=dtype)
     for n in batches:
         for greedy_every, top_k0 in ((1, 0), (4, 0), (4, 5)):
             h, e, s = rows(n, device, seed=n, hidden=cfg["hidden_size"], greedy_every=greedy_every,
@@ -115,7 +122,7 @@ def check_graph_replay(cfg: dict, device: torch.device, batches: tuple[int, ...]
             want_codes, want_sum = eager.predict(h, e, s)
             got_codes, got_sum = graphs.predict(h, e, s)
             torch.cuda.synchronize()
-            what = f"batch {n}, candidates {s.candidates}"
+            what = f"{dtype}, batch {n}, candidates {s.candidates}"
             expect(torch.equal(got_codes, want_codes),
                    f"{what}: replay codes differ in {int((got_codes != want_codes).any(1).sum())} rows")
             expect(torch.equal(got_sum, want_sum),
@@ -123,11 +130,10 @@ def check_graph_replay(cfg: dict, device: torch.device, batches: tuple[int, ...]
         # a second replay of the same graphs with other inputs: its own eager result
         h, e, s = rows(n, device, seed=1000 + n, hidden=cfg["hidden_size"])
         expect(torch.equal(graphs.predict(h, e, s)[0], eager.predict(h, e, s)[0]),
-               f"batch {n}: the second replay's codes differ from eager (stale static buffers?)")
+               f"{dtype}, batch {n}: the second replay's codes differ from eager (stale static buffers?)")
     runner = graphs._graphs
-    expect(runner is not None and len(runner.entries) >= 3, "graphs were captured")
-    notes.append(f"{len(runner.entries)} graphs captured (bucket, candidates): {sorted(runner.entries)}")
-    return "; ".join(notes)
+    expect(runner is not None and len(runner.entries) >= 3, f"{dtype}: graphs were captured")
+    return f"{dtype}: {len(runner.entries)} graphs captured (bucket, candidates): {sorted(runner.entries)}"
 
 
 def check_seeded_sampler(cfg: dict, device: torch.device, batches: tuple[int, ...] = (7, 8, 64)) -> str:

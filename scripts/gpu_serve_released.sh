@@ -19,8 +19,8 @@
 #    results.md).
 #
 # It installs the `cuda` extra into $VENV (default .venv-gpu) like
-# scripts/gpu_check.sh when the venv has no vLLM that sees the GPU. The
-# talker runs in float32 (a bfloat16 talker is not supported yet).
+# scripts/gpu_check.sh when the venv has no vLLM that sees the GPU. Both AR
+# stages run in the checkpoint's bfloat16 (dtype auto on CUDA).
 # Environment: VENV, REQUESTS (per level, default 32), SERVE_TIMEOUT_S
 # (default 1800), OMNI_ENGINE_SET (more engine settings, appended).
 set -euo pipefail

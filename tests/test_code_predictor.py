@@ -328,6 +328,29 @@ def test_padding_rows_never_change_real_rows():
     assert torch.equal(codes[:5], want[0]) and torch.equal(embed_sum[:5], want[1])
 
 
+def test_a_bfloat16_predictor_against_float32():
+    """The predictor in bfloat16 (the talker's dtype on CUDA, and on CPUs
+    with bfloat16): the same frame function, its rows still independent of
+    the batch (a request's codes alone in a batch of 3 and inside a batch of
+    64), and its greedy codes mostly those of float32 (docs/models.md,
+    "bfloat16 against float32", quotes what this prints)."""
+    cp32, cp16 = predictor(), predictor().to(torch.bfloat16)
+    rng = torch.Generator().manual_seed(11)
+    h, e = torch.randn(64, TINY["hidden_size"], generator=rng), torch.randn(64, TINY["hidden_size"], generator=rng)
+    want, _ = cp32.predict(h, e, SamplingBatch.greedy(64))
+    got, embed_sum = cp16.predict(h, e, SamplingBatch.greedy(64))
+    assert embed_sum.dtype == torch.bfloat16 and got.shape == want.shape
+    first, every = (got[:, 0] == want[:, 0]).float().mean().item(), (got == want).float().mean().item()
+    print(f"bfloat16 predictor at batch 64: codebook 1 equal to float32 in {first:.0%} of rows, "
+          f"{every:.0%} of all residual codes")
+    assert first >= 0.8 and every >= 0.5, (first, every)  # rounding flips near-ties; the chain carries them on
+    temps, seeds = [0.9, 0.0, 1.1] * 22, list(range(66))
+    s = batch(temps[:64], [50] * 64, [0.9] * 64, seeds[:64], [3] * 64)
+    together, _ = cp16.predict(h, e, s)
+    alone, _ = cp16.predict(h[:3], e[:3], batch(temps[:3], [50] * 3, [0.9] * 3, seeds[:3], [3] * 3))
+    assert torch.equal(alone, together[:3])
+
+
 def test_batches_above_the_largest_bucket_run_in_chunks():
     cp = predictor(max_bucket=8, batch_invariant=True)  # rows compared with the same rows alone
     rng = torch.Generator().manual_seed(8)
@@ -537,8 +560,11 @@ def test_the_gpu_scripts_predictor_checks_pass_on_cpu_with_a_fake_graph(monkeypa
     script = _gpu_script()
     FakeGraph.captures = 0
     note = script.check_graph_replay(script.TINY, torch.device("cpu"), batches=(1, 12))
-    buckets = {CodePredictor(script.TINY).bucket(n) for n in (1, 12)}
-    assert FakeGraph.captures == 3 * len(buckets) and "graphs captured" in note, note  # 3 candidate counts each
+    buckets = [{CodePredictor(script.TINY).to(dtype).bucket(n) for n in (1, 12)}
+               for dtype in (torch.float32, torch.bfloat16)]
+    # 3 candidate counts per bucket, in float32 and in bfloat16
+    assert FakeGraph.captures == 3 * sum(map(len, buckets)), (FakeGraph.captures, buckets)
+    assert "float32: " in note and "bfloat16: " in note and "graphs captured" in note, note
     script.check_seeded_sampler(script.TINY, torch.device("cpu"), batches=(7, 16))
 
 

@@ -271,15 +271,6 @@ def test_decoder_refuses_a_bad_setting_before_loading(tmp_path):
     assert "--engine-set talker.max_num_seqs" in run.stderr and "[1, 1024]" in run.stderr, run.stderr[-2000:]
 
 
-def test_a_float32_only_stage():
-    why = "its own code computes in float32 only"
-    eff = resolve(EngineSettings(), stage="talker", platform="cpu", bf16_cpu=True, float32_only=why, **CKPT)
-    assert eff.dtype == "float32" and any(why in n for n in eff.notes)
-    assert resolve(EngineSettings(), stage="talker", platform="cuda", float32_only=why, **CKPT).dtype == "float32"
-    err = _error(resolve, EngineSettings(dtype="bfloat16"), stage="talker", platform="cpu", float32_only=why, **CKPT)
-    assert err.field == "engine.talker.dtype" and why in str(err)
-
-
 def test_a_stage_on_cuda_n_sees_that_device_only():
     """Device bookkeeping without a GPU: what a stage process on cuda:N sets
     before vLLM loads, and the placements the decoder refuses."""

@@ -208,7 +208,7 @@ def test_models_plan_for_a_host_that_is_not_this_one(tiny, plan_cli):
     assert code == 0, err
     lines = out.splitlines()
     assert lines[0] == "memory plan (3 stages):" and "thinker   on cuda    weights 59.08 GiB" in lines[1], lines
-    assert "share 0.75 of 131.32 GiB" in lines[1] and "talker    on cuda    weights 12.39 GiB" in lines[2], lines
+    assert "share 0.75 of 131.32 GiB" in lines[1] and "talker    on cuda    weights 6.19 GiB" in lines[2], lines
     code, out, err = plan_cli("--preset", "released", "--gpus", "2", "--gpu-memory", "141GB", "--host-memory",
                               "64GiB", "--engine-set", "talker.device=cuda:1,code2wav.device=cuda:1")
     assert code == 0 and "talker    on cuda:1" in out and "thinker   on cuda " in out, (out, err)

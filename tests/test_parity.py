@@ -5,7 +5,10 @@ talker, the serving stack must reproduce
 ``Qwen3OmniMoeForConditionalGeneration.generate(return_audio=True)``:
 thinker text ids equal, talker codes equal for all 16 codebooks, waveform
 max abs diff <= 1e-4 -- for single requests, for 4 at once, on the async
-(materializer) and sync paths.
+(materializer) and sync paths. The thinker in bfloat16, and the talker in
+bfloat16, are compared with the float32 reference too: how often and where
+they differ is measured, not required to be nil (docs/models.md, "bfloat16
+against float32").
 
 ``Speak`` (tts profile) speaks the given text as the assistant's turn; its
 reference is the same ``generate()`` with the thinker's reply fixed to that
@@ -249,22 +252,33 @@ def test_generate_through_services_matches_reference(tmp_path_factory, checkpoin
 DTYPE_PROMPTS = PROMPTS + [(f"Please read sentence number {i} aloud, slowly and clearly.", "ethan") for i in range(9)]
 
 
-def test_a_bfloat16_thinker_against_the_float32_reference(tmp_path_factory, checkpoint, reference):
+@pytest.fixture(scope="module")
+def dtype_expected(reference):
+    """The float32 reference's (ids, codes, waveform) for each of DTYPE_PROMPTS."""
+    return {text: reference_generate(reference, text, voice) for text, voice in DTYPE_PROMPTS}
+
+
+def _generate_all(tmp_path_factory, checkpoint, engine_set: str) -> list[tuple[list[int], np.ndarray]]:
+    """DTYPE_PROMPTS' Generate replies (4 at once) from an omni stack with ``engine_set``."""
+    stack = Stack(StackConfig(engine="vllm", profile="omni", model=str(checkpoint), port=0, http_port=0,
+                              runtime_dir=str(tmp_path_factory.mktemp("rt")), log_level="WARNING",
+                              engine_set=engine_set))
+    stack.start(timeout_s=300)
+    try:
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            return list(pool.map(_generate, [stack.gateway_target] * len(DTYPE_PROMPTS),
+                                 *zip(*DTYPE_PROMPTS, strict=True)))
+    finally:
+        assert stack.stop() == []
+
+
+def test_a_bfloat16_thinker_against_the_float32_reference(tmp_path_factory, checkpoint, reference, dtype_expected):
     """The thinker in bfloat16 (the talker stays float32), greedy, against the
     float32 reference: the fraction of replies that stay token for token the
     same, where the others first differ, and how far the audio of the same
     replies moves (docs/models.md, "bfloat16 against float32", quotes what this prints)."""
-    expected = {text: reference_generate(reference, text, voice) for text, voice in DTYPE_PROMPTS}
-    stack = Stack(StackConfig(engine="vllm", profile="omni", model=str(checkpoint), port=0, http_port=0,
-                              runtime_dir=str(tmp_path_factory.mktemp("rt")), log_level="WARNING",
-                              engine_set="thinker.dtype=bfloat16"))
-    stack.start(timeout_s=300)
-    try:
-        with concurrent.futures.ThreadPoolExecutor(4) as pool:
-            outs = list(pool.map(_generate, [stack.gateway_target] * len(DTYPE_PROMPTS), *zip(*DTYPE_PROMPTS,
-                                                                                                   strict=True)))
-    finally:
-        assert stack.stop() == []
+    expected = dtype_expected
+    outs = _generate_all(tmp_path_factory, checkpoint, "thinker.dtype=bfloat16")
     same, first_diff, wave = 0, [], []
     for (text, _), (ids, audio) in zip(DTYPE_PROMPTS, outs, strict=True):
         ref_ids, _, ref_wav = expected[text]
@@ -282,3 +296,61 @@ def test_a_bfloat16_thinker_against_the_float32_reference(tmp_path_factory, chec
     # 9 of the 11 with the same audio within 2e-7, 2 with other codes from some frame on
     assert same >= len(DTYPE_PROMPTS) // 2, (same, first_diff)
     assert sum(w <= 1e-4 for w in wave) >= len(wave) // 2, wave
+
+
+def _talker_codes(engine, specs) -> dict[str, torch.Tensor]:
+    """Each spec's codes [frames, 16] from the engine's talker, stepped in process."""
+    talker = engine.backends["talker"]
+    codes: dict[str, list[torch.Tensor]] = {s.request_id: [] for s in specs}
+    for s in specs:
+        talker.add_request(engine.prepare(s))
+    while talker.has_unfinished():
+        out = talker.step()
+        if out is not None:
+            c, _ = out.mm_outputs["codec_codes"]
+            for i, rid in enumerate(out.request_ids):
+                codes[rid].append(c[i])
+    return {rid: torch.stack(v) for rid, v in codes.items()}
+
+
+def test_a_bfloat16_talker_against_the_float32_reference(checkpoint, reference):
+    """The talker (and its code predictor) in bfloat16 on vLLM, greedy Speak
+    requests (4 at once), against the float32 reference's codes: how many
+    frames stay equal in all 16 codebooks before the first difference, and
+    at that frame which codebooks differ (docs/models.md, "bfloat16 against
+    float32", quotes what this prints). The rows the talker reads (prompt,
+    text) are float32 up to its input in both."""
+    from decoder_svc.backend import RequestSpec
+    from decoder_svc.profile import load_profile
+    from decoder_svc.qwen3_omni.engine import build_engine
+
+    profile = load_profile("tts").with_engine_overrides([("talker", "dtype", "bfloat16")], "test")
+    engine = build_engine(profile, checkpoint, max_num_seqs=8)
+    try:
+        talker = engine.backends["talker"]
+        assert talker.engine_settings.dtype == "bfloat16"
+        assert talker._model.code_predictor.codec_embedding.dtype == torch.bfloat16
+        specs = [RequestSpec(request_id=f"d{i}", prompt=t, voice=v, max_tokens=FRAMES)
+                 for i, (t, v) in enumerate(DTYPE_PROMPTS)]
+        got = {}
+        for lo in range(0, len(specs), 4):
+            got |= _talker_codes(engine, specs[lo:lo + 4])
+    finally:
+        engine.close()
+    equal_frames, first_groups = [], []
+    for i, (text, voice) in enumerate(DTYPE_PROMPTS):
+        _, ref, _ = reference_speak(reference, text, voice)
+        mine = got[f"d{i}"]
+        n = min(len(mine), len(ref))
+        assert n > 0 and mine.shape[1] == ref.shape[1] == 16, (text, mine.shape, ref.shape)
+        differs = (mine[:n] != ref[:n]).any(dim=1).nonzero()
+        k = int(differs[0]) if len(differs) else n
+        equal_frames.append(k)
+        if k < n:
+            first_groups.append((mine[k] != ref[k]).nonzero().reshape(-1).tolist())
+    print(f"bfloat16 talker: frames equal to float32 before the first difference {equal_frames} "
+          f"(of {FRAMES}); codebooks differing there {first_groups}")
+    # measured on AVX2 (no native bfloat16): [6, 3, 1, 7, 0, 8, 12, 1, 0, 2, 3, 9]. The shape, not the
+    # counts (they depend on the host's kernels): a row the talker read wrongly would move every reply
+    # from its first decode frame (frame 1) on; rounding moves them at scattered frames.
+    assert sum(k >= 2 for k in equal_frames) >= len(DTYPE_PROMPTS) // 3, equal_frames

@@ -152,25 +152,28 @@ def test_tts_async_equals_sync_and_speak_cli_writes_wav(tmp_path_factory, tmp_pa
 
 def test_engine_settings_reach_the_engine_and_are_reported(tmp_path_factory, checkpoint):
     """`up --engine-set` items reach the talker's engine; GetDecoderInfo and
-    /v1/models report the settings as the engine took them; it serves."""
+    /v1/models report the settings as the engine took them; it serves, with
+    the talker and Code2Wav in bfloat16 (what ``dtype: auto`` gives on a
+    processor with bfloat16)."""
     import json
 
     stack = Stack(StackConfig(engine="vllm", profile="tts", model=str(checkpoint), sync=True, port=0, http_port=0,
                               runtime_dir=str(tmp_path_factory.mktemp("rt")), log_level="WARNING",
-                              engine_set="talker.max_num_seqs=8, talker.kv_cache_memory=48MiB,max_model_len=1024"))
+                              engine_set="talker.max_num_seqs=8, talker.kv_cache_memory=48MiB,max_model_len=1024,"
+                                         "dtype=bfloat16"))
     stack.start(timeout_s=300)
     try:
         talker, code2wav = decoder_info(stack).stages[:2]
         settings = dict(talker.engine_settings)
-        assert dict(code2wav.engine_settings) == {"device": "cpu", "dtype": "float32"}
+        assert dict(code2wav.engine_settings) == {"device": "cpu", "dtype": "bfloat16"}
         assert {k: settings[k] for k in ("max_num_seqs", "kv_cache_memory", "max_model_len", "dtype",
                                          "device", "enforce_eager", "enable_chunked_prefill")} == {
             "max_num_seqs": "8", "kv_cache_memory": str(48 * 2**20), "max_model_len": "1024",
-            "dtype": "float32", "device": "cpu", "enforce_eager": "true", "enable_chunked_prefill": "true",
+            "dtype": "bfloat16", "device": "cpu", "enforce_eager": "true", "enable_chunked_prefill": "true",
         }, settings
         with urllib.request.urlopen(f"{stack.http_url}/v1/models", timeout=30) as resp:
             (card,) = json.load(resp)["data"]
-        assert card["engine_settings"] == {"talker": settings, "code2wav": {"device": "cpu", "dtype": "float32"}}
+        assert card["engine_settings"] == {"talker": settings, "code2wav": {"device": "cpu", "dtype": "bfloat16"}}
         assert check_chunks(speak_chunks(stack.gateway_target, PROMPTS[0][0], PROMPTS[0][1]))
     finally:
         assert stack.stop() == []

@@ -78,6 +78,17 @@ def prepare_vllm() -> None:
     register()
 
 
+def _float32_rows(module: torch.nn.Module) -> Any:
+    """``module`` (a talker projection, in the talker's dtype) taking and
+    giving float32 rows: the talker's prompt and text rows stay float32 up to
+    its input, where they meet the step's embeddings in the model's dtype
+    (``TalkerSlots.step_inputs``; vLLM casts ``prompt_embeds``)."""
+    dtype = next(module.parameters()).dtype
+    if dtype == torch.float32:
+        return module
+    return lambda rows: module(rows.to(dtype)).to(torch.float32)
+
+
 class _ThinkerRows:
     """Forward hooks on the thinker's language model: the step's input
     embeddings and the hidden state after ``layer`` decoder layers."""
@@ -331,8 +342,8 @@ class TalkerBackend(VLLMBackend):
             self.ids,
             prompt_ids,
             speaker_id=self.speaker_id(spec.voice),
-            text_projection=model.text_projection,
-            hidden_projection=model.hidden_projection,
+            text_projection=_float32_rows(model.text_projection),
+            hidden_projection=_float32_rows(model.hidden_projection),
             codec_embedding=model.embed_input_ids,
             thinker_token_embed=embed,
             end_ids=self.end_ids,

@@ -64,6 +64,10 @@ Invariants:
   logit near-tie or a draw within float rounding of a CDF boundary meets
   that last-bit change.
 - Sampling: :mod:`.code_sampling` (its semantics and noise stream).
+- dtype: the weights' (the talker engine's ``dtype``); inputs are cast to
+  it, rotary cos/sin are computed in float32 and cast, attention's softmax
+  runs in float32, and logits reach the sampler as float32. Batch
+  invariance holds in that dtype where :func:`row_tile` finds a tile for it.
 """
 
 from __future__ import annotations
@@ -92,22 +96,23 @@ _TILES = (4, 8, 16, 32, 64)
 _tile_cache: dict[tuple, int] = {}
 
 
-def row_tile(shapes: Sequence[tuple[int, int]], max_rows: int) -> int:
+def row_tile(shapes: Sequence[tuple[int, int]], max_rows: int, dtype: torch.dtype = torch.float32) -> int:
     """The smallest row count T in (4, 8, 16, 32, 64) such that, on this host and
-    at this thread count, torch's CPU float32 ``F.linear`` gives each row the
+    at this thread count, torch's CPU ``F.linear`` in ``dtype`` gives each row the
     same bits in calls of T, 2T, 3T, max_rows / 2 and max_rows rows, for each
     (in_features, out_features) in ``shapes``. Measured once per process
-    (per shapes and thread count) on random data: which kernel computes a row
+    (per shapes, dtype and thread count) on random data: which kernel computes a row
     depends on the shapes, not on the values.
 
     On an AVX2 host with MKL, rows of calls with 4k rows agree and 1-3 rows
     (GEMV and partial tiles) differ: T = 4. If no T agrees, batch invariance
     does not hold on this host: a warning is logged and 64 is returned."""
-    key = (tuple(shapes), int(max_rows), torch.get_num_threads())
+    key = (tuple(shapes), int(max_rows), dtype, torch.get_num_threads())
     if key in _tile_cache:
         return _tile_cache[key]
     gen = torch.Generator().manual_seed(0)
-    data = [(torch.randn(n, k, generator=gen), torch.randn(max_rows, k, generator=gen)) for k, n in shapes]
+    data = [(torch.randn(n, k, generator=gen).to(dtype), torch.randn(max_rows, k, generator=gen).to(dtype))
+            for k, n in shapes]
     refs = [F.linear(x, w) for w, x in data]
     found = 0
     for tile in _TILES:
@@ -120,8 +125,8 @@ def row_tile(shapes: Sequence[tuple[int, int]], max_rows: int) -> int:
             break
     if not found:
         log.warning("code predictor: no row tile up to %d gives batch-invariant matrix products on this host "
-                    "(shapes %s, %d threads): a request's sampled codes may depend on its batch",
-                    _TILES[-1], list(shapes), torch.get_num_threads())
+                    "(shapes %s, %s, %d threads): a request's sampled codes may depend on its batch",
+                    _TILES[-1], list(shapes), dtype, torch.get_num_threads())
         found = _TILES[-1]
     _tile_cache[key] = found
     return found
@@ -180,7 +185,9 @@ class _Layer(nn.Module):
         scores = torch.matmul(q, k_cache.narrow(2, 0, end).transpose(-1, -2)) * d**-0.5
         if mask is not None:
             scores = scores.masked_fill(mask, float("-inf"))
-        out = torch.matmul(scores.softmax(-1), v_cache.narrow(2, 0, end))
+        # softmax in float32 (as transformers' attention does for bfloat16)
+        probs = scores.softmax(-1) if scores.dtype == torch.float32 else scores.float().softmax(-1).to(scores.dtype)
+        out = torch.matmul(probs, v_cache.narrow(2, 0, end))
         if t == 1:
             out = out.view(b, h * d)
         else:
@@ -310,7 +317,8 @@ class CodePredictor(nn.Module):
         hid, d, h, kv = self.hidden_size, self.head_dim, self.heads, self.kv_heads
         shapes = [(hid, (h + 2 * kv) * d), (h * d, hid), (hid, 2 * self.intermediate_size),
                   (self.intermediate_size, hid), (hid, self.vocab_size)]
-        tile = row_tile(sorted(set(shapes)), 2 * self.max_bucket)  # the first pass has 2 rows a request
+        # the first pass has 2 rows a request
+        tile = row_tile(sorted(set(shapes)), 2 * self.max_bucket, self.codec_embedding.dtype)
         return tile if self.max_bucket % tile == 0 else self.max_bucket
 
     def bucket(self, n: int) -> int:
@@ -345,7 +353,7 @@ class CodePredictor(nn.Module):
         embed_sum: torch.Tensor | None = None
         h, t, pos = x.reshape(b * 2, hidden), 2, 0  # the first pass: both positions of each request
         for g in range(self.num_groups - 1):
-            cos, sin = self._cos[pos : pos + t], self._sin[pos : pos + t]
+            cos, sin = self._cos[pos : pos + t].to(h.dtype), self._sin[pos : pos + t].to(h.dtype)
             mask = self._mask if t > 1 else None
             for layer, (kc, vc), qk_norm in zip(self.layers, kv, qk_norms, strict=True):
                 h = layer(h, t, pos, kc, vc, cos, sin, qk_norm, mask, self.eps)

@@ -116,11 +116,6 @@ class Qwen3OmniEngine:
             b.close()
 
 
-# Why the talker's engine runs in float32 (engine setting dtype)
-TALKER_FLOAT32_ONLY = ("the talker's input rows, code predictor and frame bookkeeping compute in float32 "
-                       "only yet (a bfloat16 talker model would mix dtypes)")
-
-
 def stage_settings(checkpoint: OmniCheckpoint, stage, *, platform: str | None = None, log_notes: bool = True,
                    **given: Any) -> EffectiveSettings:
     """The engine settings `stage` is built with on `checkpoint`: its
@@ -139,8 +134,7 @@ def stage_settings(checkpoint: OmniCheckpoint, stage, *, platform: str | None = 
 
         platform = engine_platform()
     eff = resolve(settings, stage=stage.name, platform=platform, checkpoint_dtype=str(dtype),
-                  checkpoint_context=int(text["max_position_embeddings"]), kv_elements_per_token=kv_elements,
-                  float32_only=TALKER_FLOAT32_ONLY if role == "talker" else "")
+                  checkpoint_context=int(text["max_position_embeddings"]), kv_elements_per_token=kv_elements)
     if log_notes:
         for note in eff.notes:
             log.info("stage %s: %s", stage.name, note)
