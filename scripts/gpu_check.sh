@@ -9,7 +9,8 @@
 #    seeded counter-based sampler under replay (the device's noise equals
 #    the CPU's, a seeded request draws the same codes replayed again and
 #    among other rows of its bucket), and Code2Wav on the device (its decode
-#    against the CPU's, its streams decoded together against alone). They
+#    against the CPU's, its streams decoded together against alone), and the
+#    memory plan's arithmetic against the device's allocator. They
 #    run with $TORCH_PYTHON, else the
 #    first of $VENV's python and python3 whose torch sees the GPU.
 #    `--torch-only` stops after them: for an image that has a CUDA torch but

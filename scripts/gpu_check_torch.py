@@ -28,11 +28,17 @@ Checks:
   decoded alone; its bfloat16 weights on the device (code2wav's ``dtype:
   auto`` on CUDA) within 0.1 of float32 on the CPU (about 0.02 on CPU);
   eight 25-frame chunks one by one vs together (reported).
+- ``memory-plan-device``: the memory plan's arithmetic against the device:
+  its Code2Wav weights (bfloat16, float32) and the code predictor's in
+  bfloat16 against what the allocator holds once loaded; the process's own
+  footprint on the device within the margin the plan leaves beside the AR
+  stages' shares.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -47,6 +53,7 @@ from decoder_svc.qwen3_omni.code2wav import Code2Wav, random_tensors  # noqa: E4
 from decoder_svc.qwen3_omni.code2wav_batch import push_many  # noqa: E402
 from decoder_svc.qwen3_omni.code_predictor import CodePredictor  # noqa: E402
 from decoder_svc.qwen3_omni.code_sampling import SamplingBatch, group_keys, uniforms  # noqa: E402
+from decoder_svc.qwen3_omni.memory_plan import MAX_DEVICE_SHARE, plan_memory  # noqa: E402
 
 TINY = {"vocab_size": 2048, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2,
         "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64, "num_code_groups": 16,
@@ -270,11 +277,80 @@ def check_code2wav(cfg: dict, device: torch.device) -> str:
             f"one by one {times[0]:.1f} ms, together {times[1]:.1f} ms")
 
 
+class CudaMeter:
+    """What the plan is checked against on a CUDA device: the caching
+    allocator's live bytes and the device's (total, free) memory."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def allocated(self) -> int:
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.memory_allocated(self.device)
+
+    def memory(self) -> tuple[int, int]:
+        free, total = torch.cuda.mem_get_info(self.device)
+        return total, free
+
+
+class _Counts:
+    """A checkpoint as the plan reads it: tensor element counts by name."""
+
+    def __init__(self, numel: dict[str, int]) -> None:
+        self._numel = numel
+
+    def numel(self, prefix: str) -> int:
+        return sum(n for name, n in self._numel.items() if name.startswith(prefix))
+
+
+def check_memory_plan(cfg: dict, device: torch.device, meter: CudaMeter | None = None) -> str:
+    """The memory plan's arithmetic on the device (decoder_svc/qwen3_omni/memory_plan.py):
+    - Code2Wav at this width: the plan's weights for one copy on this device,
+      in bfloat16 and in float32, against what the allocator holds once the
+      model is loaded there (within 1% + 4 MiB);
+    - the code predictor (part of the talker's weights) in bfloat16, the
+      talker's dtype on CUDA: its element count x 2 against the allocator;
+    - this process's footprint on the device before any weights (CUDA
+      context, torch) fits in the 1 - MAX_DEVICE_SHARE of the device the
+      plan leaves beside the AR stages' shares."""
+    meter = meter or CudaMeter(device)
+    total, free = meter.memory()
+    context = total - free
+    expect(context <= (1 - MAX_DEVICE_SHARE) * total,
+           f"the process takes {context / 2**30:.2f} GiB of the device before any weights, above the plan's "
+           f"margin {(1 - MAX_DEVICE_SHARE) * total / 2**30:.2f} GiB")
+    name = "released" if cfg is RELEASED else "tiny"
+    config = CODE2WAV[name]
+    counts = _Counts({"code2wav." + n: math.prod(shape) for n, shape in Code2Wav.expected_shapes(config).items()})
+    where = f"cuda:{device.index or 0}" if device.type == "cuda" else "cpu"
+    notes = [f"device {total / 2**30:.2f} GiB, {context / 2**30:.2f} GiB in use before any weights"]
+    for dtype, label in ((torch.bfloat16, "bfloat16"), (torch.float32, "float32")):
+        plan = plan_memory(counts, [], code2wav_workers=1, host_available=2**50,
+                           device_totals={where: total} if where != "cpu" else {}, code2wav=(where, label))
+        want = plan.stages[-1].weights
+        before = meter.allocated()
+        model = Code2Wav.from_config_and_tensors(config, random_tensors(config, seed=3), device=device, dtype=dtype)
+        got = meter.allocated() - before  # the model's own (the host tensors it was built from are gone)
+        expect(abs(got - want) <= 0.01 * want + 4 * 2**20,
+               f"code2wav in {label}: the plan counts {want} bytes, the device holds {got}")
+        notes.append(f"code2wav {label}: plan {want / 2**20:.1f} MiB, device {got / 2**20:.1f} MiB")
+        del model
+    before = meter.allocated()
+    predictor = CodePredictor(cfg).to(device=device, dtype=torch.bfloat16)
+    got = meter.allocated() - before
+    want = sum(p.numel() for p in predictor.parameters()) * 2
+    expect(abs(got - want) <= 0.01 * want + 4 * 2**20,
+           f"code predictor in bfloat16: {want} bytes of weights, the device holds {got}")
+    notes.append(f"code predictor bfloat16: {want / 2**20:.1f} MiB, device {got / 2**20:.1f} MiB")
+    return "; ".join(notes)
+
+
 CHECKS: dict[str, Callable[[dict, torch.device], str]] = {
     "predictor-graph-replay": check_graph_replay,
     "predictor-seeded-sampler": check_seeded_sampler,
     "predictor-timing": check_timing,
     "code2wav-device": check_code2wav,
+    "memory-plan-device": check_memory_plan,
 }
 
 

@@ -568,6 +568,35 @@ def test_the_gpu_scripts_predictor_checks_pass_on_cpu_with_a_fake_graph(monkeypa
     script.check_seeded_sampler(script.TINY, torch.device("cpu"), batches=(7, 16))
 
 
+class _HostMeterFake:
+    """A fake of the GPU script's CudaMeter on CPU: the bytes of the live
+    tensors' storages (each storage once) as "allocated", and a 64 GiB
+    device with 1 GiB in use."""
+
+    def allocated(self) -> int:
+        import gc
+
+        gc.collect()
+        storages = {}
+        for obj in gc.get_objects():
+            if type(obj) in (torch.Tensor, torch.nn.Parameter) and obj.device.type == "cpu":
+                st = obj.untyped_storage()
+                storages[st.data_ptr()] = st.nbytes()
+        return sum(storages.values())
+
+    def memory(self) -> tuple[int, int]:
+        return 64 * 2**30, 63 * 2**30
+
+
+def test_the_gpu_scripts_memory_plan_check_passes_on_cpu():
+    """scripts/gpu_check_torch.py's memory plan check with the CPU as "the
+    device" and a fake meter (the plan's weights against the loaded models'
+    storages); on a GPU it reads the CUDA allocator."""
+    script = _gpu_script()
+    note = script.check_memory_plan(script.TINY, torch.device("cpu"), meter=_HostMeterFake())
+    assert "code2wav bfloat16: plan 9.7 MiB" in note and "code predictor bfloat16" in note, note
+
+
 def test_the_gpu_scripts_code2wav_check_passes_on_cpu():
     """scripts/gpu_check_torch.py's Code2Wav check with the CPU as "the
     device" (the tolerances and the batched path; the device needs a GPU)."""

@@ -5,7 +5,7 @@ and for code2wav:
 
 - **weights**: the elements of its tensors (``thinker.*``, ``talker.*``,
   ``code2wav.*``, from the shards' headers, nothing loaded) at the dtype it
-  runs in (code2wav: float32, one copy per worker process); on CPU an AR
+  runs in (code2wav: its own dtype, one copy per worker process); on CPU an AR
   stage's token embedding and LM head count twice (``CPU_PACKED``: vLLM's CPU
   GEMM keeps their weights and a packed copy for its matrix products);
 - **KV cache**: on CPU its ``kv_cache_memory``; on CUDA what its
