@@ -146,6 +146,11 @@ CODE2WAV_CHUNK_SECONDS = Histogram(
     "(omni_decoder_code2wav_batch_chunks)",
     buckets=(1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0),
 )
+CODE2WAV_HEAP_TRIMS = Counter(
+    "omni_decoder_code2wav_heap_trims_total",
+    "Times a code2wav worker handed its freed heap back to the OS (glibc malloc_trim) while waiting "
+    "for work after decoding (at most every 2 s)",
+)
 CODE2WAV_BATCH_CHUNKS = Histogram(
     "omni_decoder_code2wav_batch_chunks",
     "Chunks (one per request) decoded together in one vocoder call",

@@ -236,6 +236,9 @@ def test_a_stopped_code2wav_worker_of_a_serving_decoder_is_killed_and_restarted(
         wait_for(lambda: dec.metric("omni_decoder_code2wav_chunk_seconds_count", **WORKER) > 0, 30,
                  "the worker's chunk time on the decoder's /metrics")
         before = dec.metric("omni_decoder_code2wav_chunk_seconds_count", **WORKER)
+        # idle after decoding: the worker handed its freed heap back (counted on the decoder's /metrics)
+        wait_for(lambda: dec.metric("omni_decoder_code2wav_heap_trims_total", **WORKER) >= 1, 30,
+                 "the idle worker's heap trim on the decoder's /metrics")
 
         watch = HealthWatch(dec.target)
         wait_for(lambda: watch.statuses[:1] == ["SERVING"], 10, "the health Watch's first status")

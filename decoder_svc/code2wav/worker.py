@@ -17,6 +17,11 @@ a second a snapshot of this process's metrics (``worker_metrics``: the series
 a worker sets, e.g. ``omni_decoder_code2wav_chunk_seconds``) when it changed.
 The decoder judges the counts (``.pool``; a loop that stops counting while
 items wait is stuck) and serves the metrics labelled with the worker.
+
+Memory: while the decode loop waits for items after decoding, the reporter
+thread hands the process's freed heap back to the OS, at most every 2 s
+(``omni_common.heap``; counted in ``omni_decoder_code2wav_heap_trims_total``):
+a decode's temporaries would otherwise stay resident after a burst.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ from decoder_svc.code2wav.messages import (
 )
 from decoder_svc.spawned import pipe_sender
 from omni_common import metrics_forward
+from omni_common.heap import HeapTrimmer
 from omni_common.liveness import Progress
 from omni_common.shm_arena import ArenaReader
 
@@ -160,6 +166,7 @@ def worker_main(
     taken = 0  # items the loop took from its inbox (counted once handled)
     waiting = False  # the loop waits for items (nothing ready to decode)
     done = threading.Event()
+    heap = HeapTrimmer()  # a decode's freed temporaries go back to the OS while the loop waits
 
     def report() -> None:
         """Sends the loop's counts when they changed, and about once a second
@@ -169,6 +176,8 @@ def worker_main(
         looks = 0
         while not done.wait(STATUS_INTERVAL_S):
             looks += 1
+            if waiting and heap.idle():  # the loop waits for items: hand its freed heap back
+                metrics.CODE2WAV_HEAP_TRIMS.inc()
             counts = (progress.count, taken, waiting)
             snap = worker_metrics() if looks % METRICS_EVERY == 0 else None
             if snap == last_metrics:
@@ -190,6 +199,7 @@ def worker_main(
         reported = core.queued
         if core.turn_first:  # one round of the loop: a vocoder call (or empty lasts only)
             progress.advance(core.decode_s)
+            heap.worked()
         send(Audio(rid, audio, last, reason, chunk, core.queued, core.first_wait))
 
     def fail(rid: str, text: str, trace: str) -> None:
