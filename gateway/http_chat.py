@@ -11,8 +11,12 @@ instructions, so the conversation maps as:
   400 naming ``messages``);
 * earlier ``user`` and ``assistant`` turns are not given to the model.
 
-Fields, as OpenAI names them (unknown fields are ignored, as OpenAI does;
-a known field of the wrong type is a 400 naming it): ``messages``,
+Fields, as OpenAI names them (a field of the wrong type is a 400 naming
+it; so is a field this route does not know, as OpenAI's own API answers
+one, and one of OpenAI's fields that it does not implement -- ``stop``,
+``tools``, ``logprobs``, ``response_format``, penalties and the rest of
+``CHAT_UNSERVED`` -- unless its value asks for nothing, e.g. ``"logprobs":
+false``; nothing is silently ignored): ``messages``,
 ``model`` (any name: a deployment serves one model; answers carry its id),
 ``modalities`` (``["text"]`` default, ``["text", "audio"]``, ``["audio"]``;
 one the deployment cannot produce is a 400 naming ``modalities``),
@@ -20,7 +24,9 @@ one the deployment cannot produce is a 400 naming ``modalities``),
 ``wav`` or ``pcm16``, and ``pcm16`` when streaming, as OpenAI requires),
 ``stream``, ``stream_options.include_usage``, ``max_completion_tokens`` /
 ``max_tokens`` (the former wins), ``temperature``, ``top_p``, ``seed``,
-``n`` (1 only). Without ``temperature`` the model's own sampling defaults
+``n`` (1 only); ``user``, ``safety_identifier``, ``metadata``,
+``prompt_cache_key`` and ``parallel_tool_calls`` are accepted and change
+nothing. Without ``temperature`` the model's own sampling defaults
 apply (``model_defaults``), so ``seed`` picks one of its random outputs.
 
 Output follows OpenAI: with audio, the text is the audio's ``transcript``
@@ -52,6 +58,8 @@ from gateway.http_common import (
     MAX_UINT32,
     REQUEST_ID_HEADER,
     SAMPLE_RATE_HEADER,
+    Unserved,
+    check_fields,
     error_response_for,
     int_field,
     json_field,
@@ -88,6 +96,47 @@ MODALITIES = ("text", "audio")
 AUDIO_FORMATS = ("wav", "pcm16")
 STREAM_AUDIO_FORMAT = "pcm16"
 DEFAULT_FINISH_REASON = "stop"
+
+# OpenAI's request fields this route serves; user, safety_identifier,
+# metadata, prompt_cache_key and parallel_tool_calls are accepted and change
+# nothing (no store, no cache key, no tools)
+CHAT_FIELDS = frozenset({
+    "messages", "model", "audio", "modalities", "max_completion_tokens", "max_tokens", "n", "seed", "stream",
+    "stream_options", "temperature", "top_p", "user", "safety_identifier", "metadata", "prompt_cache_key",
+    "parallel_tool_calls",
+})
+
+
+def _zero(value: object) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value == 0
+
+
+def _never(value: object) -> bool:
+    return False
+
+
+# OpenAI's fields this route does not implement: a 400 naming the field unless
+# its value asks for nothing
+CHAT_UNSERVED = {
+    "stop": Unserved(lambda v: v == [], "stop sequences are not implemented"),
+    "tools": Unserved(lambda v: v == [], "tool calls are not implemented"),
+    "tool_choice": Unserved(lambda v: v == "none", 'tool calls are not implemented (only "none")'),
+    "functions": Unserved(lambda v: v == [], "function calls are not implemented"),
+    "function_call": Unserved(lambda v: v == "none", 'function calls are not implemented (only "none")'),
+    "logprobs": Unserved(lambda v: v is False, "log probabilities are not returned (only false)"),
+    "top_logprobs": Unserved(_zero, "log probabilities are not returned (only 0)"),
+    "logit_bias": Unserved(lambda v: v == {}, "logit biases are not applied (only {})"),
+    "frequency_penalty": Unserved(_zero, "penalties are not applied (only 0)"),
+    "presence_penalty": Unserved(_zero, "penalties are not applied (only 0)"),
+    "response_format": Unserved(lambda v: v == {"type": "text"},
+                                'structured output is not implemented (only {"type": "text"})'),
+    "store": Unserved(lambda v: v is False, "completions are not stored (only false)"),
+    "service_tier": Unserved(lambda v: v in ("auto", "default"), 'one tier (only "auto" or "default")'),
+    "prediction": Unserved(_never, "predicted outputs are not implemented"),
+    "reasoning_effort": Unserved(_never, "the model has no reasoning effort setting"),
+    "verbosity": Unserved(_never, "the model has no verbosity setting"),
+    "web_search_options": Unserved(_never, "web search is not implemented"),
+}
 
 
 @dataclass(frozen=True)
@@ -270,6 +319,7 @@ def chat_call_from_json(body: object, limits: Limits, request_id: str | None) ->
     """Validate an OpenAI chat completions body; fields are named as in OpenAI's API."""
     if not isinstance(body, dict):
         raise InvalidArgumentError("body", "must be a JSON object")
+    check_fields(body, CHAT_FIELDS, CHAT_UNSERVED)
     model = json_field(body, "model", (str,), "")
     if not model:
         raise InvalidArgumentError("model", "is required")

@@ -30,7 +30,7 @@ import contextlib
 import json
 import logging
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 import grpc
@@ -216,6 +216,30 @@ def int_field(body: Mapping[str, object], name: str, low: int, high: int) -> int
     return value
 
 
+@dataclass(frozen=True)
+class Unserved:
+    """A field of the API that this server does not implement: accepted only
+    at a value that asks for nothing (`accepts`), else a 400 naming it with
+    `why` (what the field would need)."""
+
+    accepts: Callable[[object], bool]
+    why: str
+
+
+def check_fields(body: Mapping[str, object], served: frozenset[str], unserved: Mapping[str, Unserved]) -> None:
+    """Every field of `body` is one the route serves, or one it does not
+    serve at a value that asks for nothing; any other is a 400 naming it
+    (fields are never silently ignored). Null counts as absent."""
+    for name, value in body.items():
+        if value is None or name in served:
+            continue
+        field = unserved.get(name)
+        if field is None:
+            raise InvalidArgumentError(name, f"unknown field; this route serves: {', '.join(sorted(served))}")
+        if not field.accepts(value):
+            raise InvalidArgumentError(name, f"is not supported by this server: {field.why}")
+
+
 # --------------------------------------------------------- server-sent events
 
 
@@ -250,10 +274,12 @@ __all__ = [
     "REQUEST_ID_HEADER",
     "SAMPLE_RATE_HEADER",
     "InvalidBodyError",
+    "Unserved",
     "WebSocketRoute",
     "error_body",
     "error_response",
     "error_response_for",
+    "check_fields",
     "http_param",
     "int_field",
     "json_field",

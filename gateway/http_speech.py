@@ -1,7 +1,8 @@
 """``POST /v1/audio/speech``: OpenAI's speech request on `GatewayEngine.speak`.
 
-Fields, as OpenAI names them (unknown fields are ignored, as OpenAI does;
-a known field of the wrong type is a 400 naming it):
+Fields, as OpenAI names them (a field of the wrong type is a 400 naming
+it, and so is a field this route does not know, as OpenAI's own API
+answers one: nothing is silently ignored):
 
 * ``input`` (required), ``model`` (required; any name: a deployment serves
   one model), ``voice`` (one the decoder lists; empty = its default voice);
@@ -46,6 +47,7 @@ from gateway.http_common import (
     MAX_UINT32,
     REQUEST_ID_HEADER,
     SAMPLE_RATE_HEADER,
+    check_fields,
     error_response_for,
     int_field,
     json_field,
@@ -75,6 +77,11 @@ RESPONSE_FORMATS = ("wav", "pcm", "flac")
 DEFAULT_RESPONSE_FORMAT = "wav"
 STREAM_FORMATS = ("audio", "sse")
 SPEED_RANGE = (0.25, 4.0)
+# OpenAI's speech fields and this route's extensions (the module docstring)
+SPEECH_FIELDS = frozenset({
+    "model", "input", "voice", "instructions", "response_format", "speed", "stream_format", "stream",
+    "max_tokens", "max_audio_seconds", "temperature", "seed", "first_chunk_frames",
+})
 _CONTENT_TYPES = {"pcm": "audio/pcm", "wav": "audio/wav", "flac": "audio/flac"}
 
 # Decoder and engine field names -> the HTTP field a client sent.
@@ -95,6 +102,7 @@ def speech_call_from_json(body: object, limits: Limits, request_id: str | None) 
     """Validate an OpenAI speech body; fields are named as in OpenAI's API."""
     if not isinstance(body, dict):
         raise InvalidArgumentError("body", "must be a JSON object")
+    check_fields(body, SPEECH_FIELDS, {})
     text = check_text(body.get("input"), limits, "input")
     model = json_field(body, "model", (str,), "")
     if not model:

@@ -200,7 +200,6 @@ def test_sampling_fields_reach_the_decoder(gateway: GatewayThread, decoder: Fake
         "temperature": 0.7,
         "seed": 11,
         "speed": 1.0,
-        "some_future_field": {"ignored": True},
     }
     assert post(gateway.http_port, body).status == 200
     params = decoder.state.requests[-1].sampling_params
@@ -245,6 +244,8 @@ def test_instructions_refused_where_unsupported(
         ({"seed": -1}, "seed"),
         ({"seed": 1.0}, "seed"),
         ({"voice": 3}, "voice"),
+        ({"some_future_field": {"ignored": True}}, "some_future_field"),  # never silently ignored
+        ({"language": "en"}, "language"),
     ],
     ids=lambda v: json.dumps(v) if isinstance(v, dict) else v,
 )
