@@ -69,6 +69,7 @@ class RequestContext:
             audio_seconds=audio_s,
             elapsed_ms=(now - self.arrival_s) * 1e3,
             first_chunk_frames=self.first_chunk_frames,
+            prompt_tokens=len(self.spec.prompt_token_ids),
         )
 
 

@@ -37,7 +37,8 @@ deployment's rate (24 kHz, ``X-Sample-Rate``); whole audio is a WAV or raw
 PCM16 in ``message.audio.data``. Audio is not kept for later turns:
 ``expires_at`` is the response's ``created`` time. ``finish_reason`` is the
 decoder's (``stop``, ``length``, ``repetition``). ``usage`` counts the
-generated text tokens; the prompt's are not reported (0).
+prompt's tokens as the model reads them (the chat template's included:
+``RequestMetrics.prompt_tokens``) and the generated text tokens.
 """
 
 from __future__ import annotations
@@ -378,6 +379,7 @@ class _Reply:
     text: list[str] = field(default_factory=list)
     audio: list[bytes] = field(default_factory=list)
     completion_tokens: int = 0
+    prompt_tokens: int = 0
     finish_reason: str = ""
 
     def add(self, output: OmniRequestOutput) -> tuple[str, bytes]:
@@ -394,15 +396,16 @@ class _Reply:
         self.text.append(output.text)
         self.audio.append(pcm)
         self.completion_tokens += len(output.token_ids)
+        self.prompt_tokens = max(self.prompt_tokens, output.metrics.prompt_tokens)
         if output.finished:
             self.finish_reason = output.finish_reason or DEFAULT_FINISH_REASON
         return output.text, pcm
 
     def usage(self) -> dict[str, int]:
         return {
-            "prompt_tokens": 0,
+            "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
-            "total_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
         }
 
 

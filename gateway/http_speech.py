@@ -289,14 +289,15 @@ class SpeechEndpoint:
             await write_sse_error(response, exc, SPEECH_PARAMS)
             return response
         output_tokens = int(chunk.metrics.num_steps)
+        input_tokens = int(chunk.metrics.prompt_tokens)
         await response.write(
             sse_event(
                 {
                     "type": "speech.audio.done",
                     "usage": {
-                        "input_tokens": 0,
+                        "input_tokens": input_tokens,
                         "output_tokens": output_tokens,
-                        "total_tokens": output_tokens,
+                        "total_tokens": input_tokens + output_tokens,
                     },
                     "finish_reason": chunk.finish_reason,
                 }

@@ -132,11 +132,12 @@ class RequestMetrics:
     audio_seconds: float = 0.0
     elapsed_ms: float = 0.0
     first_chunk_frames: int = 0
+    prompt_tokens: int = 0
 
     @classmethod
     def from_pb(cls, pb: common_pb2.RequestMetrics) -> RequestMetrics:
         return cls(pb.ttfp_ms, pb.ttft_ms, pb.rtf, pb.num_steps, pb.audio_seconds, pb.elapsed_ms,
-                   pb.first_chunk_frames)
+                   pb.first_chunk_frames, pb.prompt_tokens)
 
     def to_pb(self) -> common_pb2.RequestMetrics:
         return common_pb2.RequestMetrics(
@@ -147,6 +148,7 @@ class RequestMetrics:
             audio_seconds=self.audio_seconds,
             elapsed_ms=self.elapsed_ms,
             first_chunk_frames=self.first_chunk_frames,
+            prompt_tokens=self.prompt_tokens,
         )
 
 

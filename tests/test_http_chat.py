@@ -138,7 +138,10 @@ def omni(tmp_path_factory) -> Iterator[Stack]:
     assert stack.stop() == []
 
 
-def check_stream_equals_grpc(stack: Stack, seed: int, max_tokens: int | None = None) -> None:
+def check_stream_equals_grpc(stack: Stack, seed: int, max_tokens: int | None = None, prompt_tokens: int = 0) -> None:
+    """The SDK's stream equals gRPC Generate; its usage counts ``prompt_tokens``
+    (the prompt in the model's chat template; 0 with the fake engine, which
+    does not tokenize) and the reply's tokens."""
     extra = {} if max_tokens is None else {"max_completion_tokens": max_tokens}
     (card,) = sdk(stack.cfg.http_port).models.list().data
     voice = (card.model_extra or {})["voices"][-1]
@@ -168,6 +171,8 @@ def check_stream_equals_grpc(stack: Stack, seed: int, max_tokens: int | None = N
     last_audio = [c for c in chunks if c.choices and c.choices[0].delta.audio][-1]
     assert last_audio.choices[0].delta.audio.expires_at is not None
     assert chunks[-1].choices == [] and chunks[-1].usage is not None
+    usage = chunks[-1].usage
+    assert (usage.prompt_tokens, usage.total_tokens) == (prompt_tokens, prompt_tokens + want.tokens), usage
     assert all(c.choices[0].delta.content is None for c in chunks[1:] if c.choices)
 
 
@@ -470,6 +475,8 @@ def test_fields_reach_the_decoder(gateway) -> None:
     )
     assert wav[44:] == b"".join(c.audio for c in gw.stub.Speak(speak, timeout=10))
     assert message["audio"]["transcript"] == "" and message["content"] is None
+    # usage: the decoder's prompt token count (the fake's: the prompt's words) and no text tokens
+    assert json.loads(content)["usage"] == {"prompt_tokens": 2, "completion_tokens": 0, "total_tokens": 2}
     temperature = {**body, "temperature": 0.0}
     assert post(gw.http_port, temperature)[0] == 200
     params = fake.state.requests[-1].sampling_params
@@ -506,7 +513,12 @@ def test_vllm_tiny_omni_chat_stream_equals_grpc_generate(tmp_path_factory, tiny_
     # the chat request sets no audio cap: 4 s of audio, not the 60 s default
     stack = start_stack(tmp_path_factory, "omni", engine="vllm", model=str(checkpoint),
                         extra_decoder_args=["--default-audio-seconds", "4"])
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(str(checkpoint)).apply_chat_template(
+        [{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=True)
+    ids = ids if isinstance(ids, list) else ids["input_ids"]
     try:
-        check_stream_equals_grpc(stack, seed=11, max_tokens=6)
+        check_stream_equals_grpc(stack, seed=11, max_tokens=6, prompt_tokens=len(ids))
     finally:
         assert stack.stop() == []

@@ -156,7 +156,8 @@ def test_sse_deltas_and_done(gateway: GatewayThread, response_format: str) -> No
         assert audio == want
     assert done["type"] == "speech.audio.done"
     assert done["finish_reason"] == "stop"
-    assert done["usage"] == {"input_tokens": 0, "output_tokens": 5, "total_tokens": 5}
+    words = len(TEXT.split())  # the fake decoder's prompt token count
+    assert done["usage"] == {"input_tokens": words, "output_tokens": 5, "total_tokens": words + 5}
 
 
 def test_buffered_wav_and_pcm_carry_finish_reason(gateway: GatewayThread) -> None:

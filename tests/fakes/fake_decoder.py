@@ -112,6 +112,11 @@ class FakeDecoderState:
     cancelled: list[str] = field(default_factory=list)
 
 
+def fake_prompt_tokens(request: decoder_pb2.GenerateRequest) -> int:
+    """The fake's prompt token count: the prompt's words (it has no tokenizer)."""
+    return len(request.prompt.split())
+
+
 class FakeDecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
     """Replays deterministic outputs; a test double, not a decoder."""
 
@@ -134,7 +139,7 @@ class FakeDecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
                     multimodal_output=audio_payload(
                         fake_audio(request, i, self.config.chunk_samples), self.config.sample_rate
                     ),
-                    metrics=common_pb2.RequestMetrics(num_steps=i + 1),
+                    metrics=common_pb2.RequestMetrics(num_steps=i + 1, prompt_tokens=fake_prompt_tokens(request)),
                 )
             )
         out.append(
@@ -143,7 +148,7 @@ class FakeDecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
                 stage_id=2,
                 finished=True,
                 finish_reason="stop",
-                metrics=common_pb2.RequestMetrics(num_steps=n),
+                metrics=common_pb2.RequestMetrics(num_steps=n, prompt_tokens=fake_prompt_tokens(request)),
             )
         )
         return out
