@@ -52,6 +52,7 @@ from decoder_svc.stage.runner import StageRunner
 from omni_common.errors import InvalidArgumentError, OmniError, UnavailableError
 from omni_common.modality import OutputModality
 from omni_common.shm_arena import ShmArena
+from omni_common.voices import resolve_voice, voice_aliases
 from omni_serving.v1 import decoder_pb2
 
 logger = logging.getLogger(__name__)
@@ -115,6 +116,8 @@ class Pipeline:
         self.gen_config = profile.stages[-1]
         self.vocoder = vocoder
         self.voices: tuple[str, ...] = tuple(vocoder.voices)
+        # "default" and the family's aliases (omni_common.voices), each to one of the voices
+        self.voice_aliases = voice_aliases(self.voices, getattr(vocoder, "voice_aliases", {}))
         self.sample_rate = int(vocoder.sample_rate)
         self._prepare = prepare
         self._roles = [s.engine_role or s.name for s in self.ar_configs]
@@ -255,8 +258,9 @@ class Pipeline:
 
     # -- requests ---------------------------------------------------------------
     def submit(self, spec: RequestSpec, sink: Sink) -> None:
-        if spec.voice not in self.voices:
-            raise InvalidArgumentError("voice", f"unknown voice {spec.voice!r}; voices: {', '.join(self.voices)}")
+        voice = resolve_voice(spec.voice, self.voices, self.voice_aliases)
+        if voice != spec.voice:
+            spec = dataclasses.replace(spec, voice=voice)
         settings = self.settings
         check_request(spec, settings)
         if self._prepare is not None:

@@ -87,7 +87,7 @@ def spec_from_pb(
         top_k=top_k,
         # unset seed: a stable one derived from the request id
         seed=sp.seed if sp.HasField("seed") else zlib.crc32(req.request_id.encode()),
-        voice=req.voice or "default",
+        voice=req.voice,  # empty: the model's first voice (Pipeline.submit resolves names)
         task=task,
         modality=modality,
         max_audio_seconds=sp.max_audio_seconds,
@@ -194,6 +194,7 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             aborted_requests=p.aborted_requests,
             finished_requests=p.finished_requests,
             voices=list(self.pipeline.voices),
+            voice_aliases=self.pipeline.voice_aliases,
             sample_rate_hz=self.pipeline.sample_rate,
             output_modalities=p.settings.output_modalities.to_proto(),
             limits=p.settings.limits_pb(),

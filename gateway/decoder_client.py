@@ -123,6 +123,8 @@ class DecoderInfo:
     model: str = ""
     engine_settings: dict[str, dict[str, str]] = field(default_factory=dict)
     """The stages' engine settings as built (code2wav: device and dtype), by stage name (`StageInfo.engine_settings`)."""
+    voice_aliases: dict[str, str] = field(default_factory=dict)
+    """Other voice names the decoder accepts, each to one of `voices` ("default", OpenAI's names)."""
 
     @classmethod
     def from_pb(cls, pb: decoder_pb2.GetDecoderInfoResponse) -> DecoderInfo:
@@ -144,6 +146,7 @@ class DecoderInfo:
             supports_instructions=pb.supports_instructions,
             model=pb.model,
             engine_settings={st.name: dict(st.engine_settings) for st in pb.stages if st.engine_settings},
+            voice_aliases=dict(sorted(pb.voice_aliases.items())),
         )
 
 

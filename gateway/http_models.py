@@ -47,6 +47,7 @@ def model_card(info: DecoderInfo, created: int) -> dict[str, object]:
         "profile": info.profile,
         "modalities": list(info.output_modalities),
         "voices": list(info.voices),
+        "voice_aliases": dict(info.voice_aliases),
         "sample_rate_hz": info.sample_rate_hz,
         "limits": limits_json(info),
         "supports_instructions": info.supports_instructions,

@@ -99,6 +99,7 @@ def model_card(info: DecoderInfo) -> gateway_pb2.ModelCard:
             for name in info.output_modalities
         ],
         voices=list(info.voices),
+        voice_aliases=info.voice_aliases,
         sample_rate_hz=info.sample_rate_hz,
         supports_instructions=info.supports_instructions,
     )

@@ -39,6 +39,7 @@ from gateway.decoder_client import DecoderInfo
 from gateway.output_processor import OutputKind
 from omni_common.errors import InvalidArgumentError, ResourceExhaustedError, quote_value
 from omni_common.modality import OutputModality
+from omni_common.voices import resolve_voice
 from omni_serving.v1 import common_pb2, decoder_pb2, gateway_pb2
 
 DEFAULT_MAX_TEXT_CHARS = 4096
@@ -278,13 +279,10 @@ def check_seed(seed: int, field: str = "seed") -> int:
 
 
 def check_voice(voice: str, info: DecoderInfo, field: str = "voice") -> str:
-    """A voice the decoder lists; empty means its first voice (or none if it lists none)."""
-    if not voice:
-        return info.voices[0] if info.voices else ""
-    if voice not in info.voices:
-        listed = ", ".join(info.voices) if info.voices else "none"
-        raise InvalidArgumentError(field, f"unknown voice {quote_value(voice)}; voices: {listed}")
-    return voice
+    """The decoder's voice for `voice`: one it lists, or its voice for an
+    alias it reports ("default", OpenAI's names); empty means its first
+    voice (or none if it lists none) (``omni_common.voices``)."""
+    return resolve_voice(voice, info.voices, info.voice_aliases, field)
 
 
 def check_voice_shape(voice: str, field: str = "voice") -> str:

@@ -311,6 +311,26 @@ def test_unknown_voice_lists_voices(gateway: GatewayThread) -> None:
     assert "alice" in info.value.details() and "bob" in info.value.details()
 
 
+def test_voice_aliases_reach_the_decoder_as_its_voices(sock_dir: Path) -> None:
+    """The decoder's aliases ("default", OpenAI's names) are accepted and sent
+    as the voice they stand for; ListModels reports them; an unknown name
+    lists voices and aliases."""
+    aliases = {"default": "alice", "nova": "alice", "onyx": "bob"}
+    with (
+        FakeDecoder(sock_dir / "decoder.sock", FakeDecoderConfig(voice_aliases=aliases)) as fake,
+        GatewayThread(fake.target, sock_dir) as gw,
+    ):
+        for given, sent in (("onyx", "bob"), ("default", "alice"), ("", "alice"), ("bob", "bob")):
+            check_stream(speak(gw.stub, request_id=f"v-{given}", text="hi", voice=given), f"v-{given}")
+            assert fake.state.requests[-1].voice == sent, (given, fake.state.requests[-1].voice)
+        (card,) = gw.stub.ListModels(gateway_pb2.ListModelsRequest(), timeout=10).models
+        assert dict(card.voice_aliases) == aliases
+        with pytest.raises(grpc.RpcError) as info:
+            speak(gw.stub, text="hi", voice="zed")
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+        assert "voices: alice, bob; aliases: default, nova, onyx" in info.value.details(), info.value.details()
+
+
 GENERATE_ERRORS = [
     pytest.param({"prompt": ""}, "prompt", "must not be empty", id="empty-prompt"),
     pytest.param({"prompt": "y" * 65}, "prompt", "limit is 64", id="long-prompt"),

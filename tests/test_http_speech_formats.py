@@ -277,6 +277,7 @@ def test_models_list_and_get(gateway: GatewayThread) -> None:
         "profile": "fake",
         "modalities": [],
         "voices": ["alice", "bob"],
+        "voice_aliases": {},
         "sample_rate_hz": 24000,
         "limits": {
             "default_audio_seconds": 0.0,

@@ -32,6 +32,17 @@ class _NumpyStream:
         return self._stream.push(t).numpy()
 
 
+# OpenAI's voice names -> Qwen3-Omni's speakers (Chelsie: female; Ethan and
+# Aiden: male), so that clients written for OpenAI's speech and chat APIs
+# work unchanged; a model's own voice of the same name wins
+# (omni_common.voices). docs/gateway.md lists the table.
+OPENAI_VOICES = {
+    "alloy": "chelsie", "ash": "aiden", "ballad": "ethan", "cedar": "ethan", "coral": "chelsie", "echo": "ethan",
+    "fable": "aiden", "marin": "chelsie", "nova": "chelsie", "onyx": "ethan", "sage": "chelsie",
+    "shimmer": "chelsie", "verse": "aiden",
+}
+
+
 class CheckpointVocoder:
     """The checkpoint's Code2Wav behind the generation stage's streaming
     interface, built from the checkpoint directory alone (read only): what a
@@ -55,6 +66,7 @@ class CheckpointVocoder:
         self.model = Code2Wav.from_config_and_tensors(checkpoint.code2wav_config, checkpoint.tensors("code2wav."),
                                                       device=self.device, dtype=getattr(torch, self.dtype))
         self.voices = tuple(voices)
+        self.voice_aliases = {alias: v for alias, v in OPENAI_VOICES.items() if v in self.voices}
         self.sample_rate = int(getattr(self.model, "sample_rate", SAMPLE_RATE))
         self.num_codebooks = int(self.model.num_quantizers)
         self.frames_per_second = self.sample_rate / int(self.model.samples_per_frame)

@@ -94,6 +94,7 @@ class FakeDecoderConfig:
     delay_s: float = 0.0
     """Sleep before each chunk (a slow decoder)."""
     voices: tuple[str, ...] = FAKE_VOICES
+    voice_aliases: dict[str, str] = field(default_factory=dict)  # GetDecoderInfo's, as given
     sample_rate: int = FAKE_SAMPLE_RATE
     script: Script | None = None
     """If set, replay these responses instead of generated audio."""
@@ -182,6 +183,7 @@ class FakeDecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             profile="fake",
             engine="fake",
             voices=list(self.config.voices),
+            voice_aliases=self.config.voice_aliases,
             sample_rate_hz=self.config.sample_rate,
             active_requests=len(self.state.active),
         )
