@@ -5,7 +5,8 @@ it, and so is a field this route does not know, as OpenAI's own API
 answers one: nothing is silently ignored):
 
 * ``input`` (required), ``model`` (required; any name: a deployment serves
-  one model), ``voice`` (one the decoder lists; empty = its default voice);
+  one model), ``voice`` (one the decoder lists, or an alias it reports:
+  ``default``, OpenAI's voice names; empty = its default voice);
 * ``response_format``: ``wav`` (default), ``pcm`` (raw PCM16LE mono) or
   ``flac``;
 * ``stream`` (extension; default true, false for ``flac``): true sends the
