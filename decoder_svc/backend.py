@@ -37,6 +37,10 @@ class RequestSpec:
     # Style instructions for the model's prompt (a system turn); only where
     # the deployment takes them (DeploymentSettings.supports_instructions).
     instructions: str = ""
+    # A conversation instead of one prompt: (role, text) turns, each through
+    # the model's chat template (``prompt`` is then the last user turn's
+    # text, for engines without a template); omni_common.conversation.
+    messages: tuple[tuple[str, str], ...] = ()
     # Conditioning from an upstream stage (e.g. the thinker's hidden states).
     conditioning: dict[str, torch.Tensor] = field(default_factory=dict)
     # The first stage's prompt as token ids (a rendered chat prompt), and the

@@ -274,6 +274,12 @@ def check_request(spec, settings: DeploymentSettings) -> None:
             f"this deployment (profile {settings.profile}) does not take instructions: it has no "
             "text stage whose prompt could carry them",
         )
+    if spec.messages and not settings.supports_instructions:
+        raise InvalidArgumentError(
+            "messages",
+            f"this deployment (profile {settings.profile}) speaks its input as is: a conversation needs "
+            "a text stage (a profile with a thinker, such as omni); send prompt",
+        )
     seconds = float(spec.max_audio_seconds)
     _check_finite(seconds, f"{sp}.max_audio_seconds")
     if seconds < 0:

@@ -21,6 +21,7 @@ from decoder_svc.backend import RequestSpec
 from decoder_svc.lengths import DeploymentSettings
 from decoder_svc.pipeline import Pipeline
 from decoder_svc.requests import Sink
+from omni_common.conversation import conversation_from_pb, last_user_text
 from omni_common.errors import (
     InvalidArgumentError,
     OmniError,
@@ -50,7 +51,13 @@ def spec_from_pb(
     """
     if not req.request_id:
         raise InvalidArgumentError("request_id", "is empty")
-    if not req.prompt.strip():
+    messages = conversation_from_pb(req.messages, MAX_PROMPT_CHARS) if req.messages else ()
+    if messages:
+        if req.prompt:
+            raise InvalidArgumentError("messages", "give prompt or messages, not both")
+        if req.instructions:
+            raise InvalidArgumentError("instructions", "with messages, style instructions are a system turn")
+    elif not req.prompt.strip():
         raise InvalidArgumentError("prompt", "is empty")
     if len(req.prompt) > MAX_PROMPT_CHARS:
         raise InvalidArgumentError("prompt", f"has {len(req.prompt)} characters; at most {MAX_PROMPT_CHARS}")
@@ -80,7 +87,8 @@ def spec_from_pb(
     task = "embed" if req.task == common_pb2.REQUEST_TASK_EMBED else "generate"
     return RequestSpec(
         request_id=req.request_id,
-        prompt=req.prompt,
+        prompt=last_user_text(messages) if messages else req.prompt,
+        messages=messages,
         max_tokens=sp.max_tokens,
         temperature=temperature,
         top_p=top_p or 1.0,

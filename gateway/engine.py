@@ -118,6 +118,7 @@ class GatewayEngine:
                 modality=request.output_modality,
                 sampling_params=request.sampling_params,
                 instructions=request.instructions,
+                conversation=bool(request.messages),
             )
             voice = await self._voice(request.voice, info)
             upstream = decoder_request(
@@ -127,6 +128,7 @@ class GatewayEngine:
                 voice,
                 request.sampling_params,
                 request.instructions,
+                request.messages,
             )
             async for output in self._stream(
                 upstream, request.output_modality, request.output_kind

@@ -1,15 +1,14 @@
 """``POST /v1/chat/completions``: OpenAI's chat completions, text and audio out, on Generate.
 
 The request runs as one `GatewayEngine.generate` call (the gRPC Generate
-path, delta outputs). The decoder takes one prompt string, which the omni
-profile puts in the model's chat template as the user's turn, and style
-instructions, so the conversation maps as:
-
-* the **last** ``user`` message is the prompt;
-* the ``system`` and ``developer`` messages, joined by newlines, are the
-  ``instructions`` (a deployment without instruction support refuses them:
-  400 naming ``messages``);
-* earlier ``user`` and ``assistant`` turns are not given to the model.
+path with ``messages``, delta outputs): every turn goes through the model's
+chat template, in order (``system``, ``developer`` as a system turn,
+``user``, ``assistant``), the last one the user's. An ``assistant`` turn
+needs its text: audio is not kept between requests, so a turn that only
+refers to an earlier reply's audio is a 400 naming its content (send the
+transcript). A deployment without a text stage (``tts``) refuses a
+conversation (400 naming ``messages``); a lone user message is sent as
+the prompt, which it speaks.
 
 Fields, as OpenAI names them (a field of the wrong type is a 400 naming
 it; so is a field this route does not know, as OpenAI's own API answers
@@ -80,11 +79,11 @@ from gateway.validation import (
     Limits,
     check_request_id,
     check_seed,
-    check_text,
     check_unicode,
     check_voice_shape,
     json_type_name,
 )
+from omni_common.conversation import conversation_from_pb
 from omni_common.errors import InvalidArgumentError, quote_value
 from omni_common.modality import OutputModality
 from omni_serving.v1 import common_pb2
@@ -92,7 +91,6 @@ from omni_serving.v1 import common_pb2
 logger = logging.getLogger(__name__)
 
 ROLES = ("system", "developer", "user", "assistant")
-INSTRUCTION_ROLES = ("system", "developer")
 MODALITIES = ("text", "audio")
 AUDIO_FORMATS = ("wav", "pcm16")
 STREAM_AUDIO_FORMAT = "pcm16"
@@ -206,37 +204,30 @@ def _message_text(message: object, where: str) -> tuple[str, str]:
     return role, "\n".join(texts)
 
 
-def _conversation(body: Mapping[str, object], limits: Limits) -> tuple[str, str, str]:
-    """(prompt, instructions, prompt's field) from ``messages`` (see the module docstring)."""
+def _conversation(body: Mapping[str, object], limits: Limits) -> tuple[tuple[str, str], ...]:
+    """The (role, text) turns of ``messages``, every one given to the model
+    (``developer`` is a ``system`` turn; see the module docstring), checked
+    as gRPC Generate checks its ``messages`` (``omni_common.conversation``)."""
     messages = body.get("messages")
     if messages is None:
         raise InvalidArgumentError("messages", "is required")
     if not isinstance(messages, list):
         raise InvalidArgumentError("messages", f"must be an array, got {json_type_name(messages)}")
-    if not messages:
-        raise InvalidArgumentError("messages", "must not be empty")
-    prompt_at: int | None = None
-    prompt = ""
-    instructions: list[str] = []
+    turns = []
     for i, message in enumerate(messages):
         role, text = _message_text(message, f"messages[{i}]")
-        if role == "user":
-            prompt_at, prompt = i, text
-        elif role in INSTRUCTION_ROLES and text.strip():
-            instructions.append(text)
-    if prompt_at is None:
-        raise InvalidArgumentError("messages", "must contain a user message")
-    prompt_field = f"messages[{prompt_at}].content"
-    joined = "\n".join(instructions)
-    if joined:
-        if len(joined) > limits.max_text_chars:
+        if role == "assistant" and not text:
             raise InvalidArgumentError(
-                "messages",
-                f"the system messages have {len(joined)} characters; "
-                f"the limit is {limits.max_text_chars}",
+                f"messages[{i}].content",
+                "an assistant turn needs its text: audio is not kept between requests, so send the "
+                "reply's transcript as the content",
             )
-        check_unicode(joined, "messages")
-    return check_text(prompt, limits, prompt_field), joined, prompt_field
+        turns.append(common_pb2.ChatMessage(role="system" if role == "developer" else role,
+                                            content=[common_pb2.ContentPart(text=text)]))
+    conversation = conversation_from_pb(turns, limits.max_text_chars)
+    for i, (_, text) in enumerate(conversation):
+        check_unicode(text, f"messages[{i}].content")
+    return conversation
 
 
 def _modalities(body: Mapping[str, object]) -> tuple[str, ...]:
@@ -324,7 +315,7 @@ def chat_call_from_json(body: object, limits: Limits, request_id: str | None) ->
     model = json_field(body, "model", (str,), "")
     if not model:
         raise InvalidArgumentError("model", "is required")
-    prompt, instructions, prompt_field = _conversation(body, limits)
+    messages = _conversation(body, limits)
     stream = bool(json_field(body, "stream", (bool,), False))
     options = json_field(body, "stream_options", (dict,), None)
     include_usage = False
@@ -346,12 +337,14 @@ def chat_call_from_json(body: object, limits: Limits, request_id: str | None) ->
         modality |= OutputModality.from_string(name, field="modalities")
     request = GenerationRequest(
         request_id=check_request_id(request_id or "", REQUEST_ID_HEADER),
-        prompt=prompt,
+        # one user turn is the prompt (the same ids through the chat template, and a
+        # deployment without a text stage speaks it); a longer conversation goes whole
+        prompt=messages[0][1] if len(messages) == 1 else "",
+        messages=messages if len(messages) > 1 else (),
         output_modality=modality,
         output_kind=OutputKind.DELTA,
         voice=voice,
         sampling_params=sampling,
-        instructions=instructions,
     )
     return ChatCall(
         request=request,
@@ -361,9 +354,8 @@ def chat_call_from_json(body: object, limits: Limits, request_id: str | None) ->
         include_usage=include_usage,
         audio_format=audio_format,
         params={
-            "prompt": prompt_field,
-            "text": prompt_field,
-            "instructions": "messages",
+            "prompt": "messages",
+            "text": "messages",
             "output_modalities": "modalities",
             "voice": "audio.voice",
             "max_tokens": tokens_field,

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 
 from gateway.decoder_client import DecoderInfo
 from gateway.output_processor import OutputKind
+from omni_common.conversation import conversation_from_pb
 from omni_common.errors import InvalidArgumentError, ResourceExhaustedError, quote_value
 from omni_common.modality import OutputModality
 from omni_common.voices import resolve_voice
@@ -103,6 +104,8 @@ class GenerationRequest:
     voice: str = ""
     sampling_params: common_pb2.SamplingParams | None = None
     instructions: str = ""
+    messages: tuple[tuple[str, str], ...] = ()
+    """A conversation instead of `prompt` ((role, text) turns, omni_common.conversation)."""
 
 
 # ---------------------------------------------------------------------------
@@ -231,8 +234,10 @@ def check_against_decoder(
     instructions: str,
     modality_field: str = "output_modalities",
     field: str = "sampling_params",
+    conversation: bool = False,
 ) -> None:
-    """A request against what the deployment can do (see the module docstring)."""
+    """A request against what the deployment can do (see the module docstring;
+    `conversation`: the request gives messages, which need a text stage)."""
     if info.output_modalities:
         produced = OutputModality.from_string("+".join(info.output_modalities))
         missing = modality & ~produced
@@ -246,6 +251,12 @@ def check_against_decoder(
         raise InvalidArgumentError(
             "instructions",
             f"this deployment (profile {info.profile or 'unknown'}) does not take instructions",
+        )
+    if conversation and not info.supports_instructions:
+        raise InvalidArgumentError(
+            "messages",
+            f"this deployment (profile {info.profile or 'unknown'}) speaks its input as is: a conversation "
+            "needs a text stage (a profile with a thinker, such as omni); send prompt",
         )
     if sampling_params is None:
         return
@@ -353,9 +364,18 @@ def generation_request_from_pb(
     request: gateway_pb2.OmniGatewayServiceGenerateRequest, limits: Limits
 ) -> GenerationRequest:
     """Validate a Generate request (fields named as in the proto)."""
+    messages: tuple[tuple[str, str], ...] = ()
+    if request.messages:
+        if request.prompt:
+            raise InvalidArgumentError("messages", "give prompt or messages, not both")
+        if request.instructions:
+            raise InvalidArgumentError("instructions", "with messages, style instructions are a system turn")
+        messages = conversation_from_pb(request.messages, limits.max_text_chars)
+        for i, (_, text) in enumerate(messages):
+            check_unicode(text, f"messages[{i}].content")
     return GenerationRequest(
         request_id=check_request_id(request.request_id),
-        prompt=check_text(request.prompt, limits, "prompt"),
+        prompt="" if messages else check_text(request.prompt, limits, "prompt"),
         output_modality=check_modalities(request.output_modalities),
         output_kind=OutputKind.from_proto(request.output_kind),
         voice=check_voice_shape(request.voice),
@@ -363,6 +383,7 @@ def generation_request_from_pb(
             request.sampling_params if request.HasField("sampling_params") else None
         ),
         instructions=check_instructions(request.instructions, limits),
+        messages=messages,
     )
 
 
@@ -373,8 +394,10 @@ def decoder_request(
     voice: str,
     sampling_params: common_pb2.SamplingParams | None,
     instructions: str = "",
+    messages: tuple[tuple[str, str], ...] = (),
 ) -> decoder_pb2.GenerateRequest:
-    """The `DecoderService.Generate` request for a validated gateway request."""
+    """The `DecoderService.Generate` request for a validated gateway request
+    (`messages`: a conversation instead of `prompt`)."""
     out = decoder_pb2.GenerateRequest(
         request_id=request_id,
         prompt=prompt,
@@ -382,6 +405,8 @@ def decoder_request(
         voice=voice,
         task=common_pb2.REQUEST_TASK_GENERATE,
         instructions=instructions,
+        messages=[common_pb2.ChatMessage(role=role, content=[common_pb2.ContentPart(text=text)])
+                  for role, text in messages],
     )
     if sampling_params is not None:
         out.sampling_params.CopyFrom(sampling_params)

@@ -331,6 +331,10 @@ def test_voice_aliases_reach_the_decoder_as_its_voices(sock_dir: Path) -> None:
         assert "voices: alice, bob; aliases: default, nova, onyx" in info.value.details(), info.value.details()
 
 
+def _turn(role: str, text: str) -> common_pb2.ChatMessage:
+    return common_pb2.ChatMessage(role=role, content=[common_pb2.ContentPart(text=text)])
+
+
 GENERATE_ERRORS = [
     pytest.param({"prompt": ""}, "prompt", "must not be empty", id="empty-prompt"),
     pytest.param({"prompt": "y" * 65}, "prompt", "limit is 64", id="long-prompt"),
@@ -342,6 +346,20 @@ GENERATE_ERRORS = [
     ),
     pytest.param({"prompt": "hi", "output_kind": 9}, "output_kind", "DELTA", id="output-kind"),
     pytest.param({"prompt": "hi", "voice": "zed"}, "voice", "alice", id="voice"),
+    pytest.param({"prompt": "hi", "messages": [_turn("user", "hi")]}, "messages", "not both", id="prompt-and-messages"),
+    pytest.param({"instructions": "calm", "messages": [_turn("user", "hi")]}, "instructions", "system turn",
+                 id="instructions-and-messages"),
+    pytest.param({"messages": [_turn("robot", "hi")]}, "messages[0].role", "roles: system, user, assistant",
+                 id="message-role"),
+    pytest.param({"messages": [_turn("user", "hi"), _turn("assistant", "ok")]}, "messages[1].role",
+                 "the last turn must be the user's", id="last-turn"),
+    pytest.param({"messages": [common_pb2.ChatMessage(role="user", content=[common_pb2.ContentPart()])]},
+                 "messages[0].content[0]", "is empty", id="empty-part"),
+    pytest.param({"messages": [_turn("user", "  ")]}, "messages[0].content", "has no text", id="blank-turn"),
+    pytest.param({"messages": [_turn("system", "s" * 40), _turn("user", "u" * 30)]}, "messages[1].content",
+                 "the limit is 64 in all", id="long-conversation"),
+    # a well-formed conversation on a deployment without a text stage (the fake decoder's)
+    pytest.param({"messages": [_turn("user", "hi")]}, "messages", "needs a text stage", id="no-text-stage"),
 ]
 
 

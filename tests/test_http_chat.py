@@ -50,11 +50,14 @@ def grpc_generate(
     max_tokens: int = 0,
     instructions: str = "",
     voice: str = "",
+    messages: list[tuple[str, str]] | None = None,
 ) -> Generated:
     """What gRPC Generate returns, as the chat endpoint asks for it (delta outputs,
-    the model's sampling defaults)."""
+    the model's sampling defaults); with `messages` ((role, text) turns) instead of `prompt`."""
     request = gateway_pb2.OmniGatewayServiceGenerateRequest(
-        prompt=prompt,
+        prompt="" if messages else prompt,
+        messages=[common_pb2.ChatMessage(role=r, content=[common_pb2.ContentPart(text=t)])
+                  for r, t in messages or []],
         output_modalities=modalities,
         output_kind=gateway_pb2.OUTPUT_KIND_DELTA,
         voice=voice,
@@ -194,7 +197,10 @@ def test_sdk_whole_wav_equals_grpc_generate(omni: Stack) -> None:
         audio={"voice": "alloy", "format": "wav"},
         seed=3,
     )
-    want = grpc_generate(omni.gateway_target, PROMPT, "text+audio", 3, voice="alloy")
+    # every turn reaches the model, as gRPC Generate's messages
+    want = grpc_generate(omni.gateway_target, "", "text+audio", 3, voice="alloy",
+                         messages=[("assistant", "Hello, how can I help?"), ("user", PROMPT)])
+    assert want.text != grpc_generate(omni.gateway_target, PROMPT, "text+audio", 3, voice="alloy").text
     message = completion.choices[0].message
     assert message.content is None
     assert message.audio.transcript == want.text
@@ -314,7 +320,17 @@ AUDIO = {"modalities": ["text", "audio"], "audio": {"voice": "alice", "format": 
         ({"model": "m"}, "messages"),
         ({"model": "m", "messages": "hi"}, "messages"),
         ({"model": "m", "messages": []}, "messages"),
-        ({"model": "m", "messages": [{"role": "system", "content": "x"}]}, "messages"),
+        ({"model": "m", "messages": [{"role": "system", "content": "x"}]}, "messages[0].role"),  # not the user's
+        ({"model": "m", "messages": [*USER, {"role": "assistant", "content": "x"}]}, "messages[1].role"),
+        (  # an earlier audio reply without its transcript: audio is not kept
+            {"model": "m", "messages": [{"role": "assistant", "audio": {"id": "a1"}}, *USER]},
+            "messages[0].content",
+        ),
+        (  # the conversation's text, all turns together, within the limit (100 here)
+            {"model": "m", "messages": [{"role": "user", "content": "x" * 60}, {"role": "assistant", "content": "y"},
+                                        {"role": "user", "content": "z" * 40}]},
+            "messages[2].content",
+        ),
         ({"model": "m", "messages": [{"role": "robot", "content": "x"}]}, "messages[0].role"),
         ({"model": "m", "messages": [{"content": "x"}]}, "messages[0].role"),
         ({"model": "m", "messages": [{"role": "user"}]}, "messages[0].content"),
@@ -439,13 +455,39 @@ def test_fields_at_values_that_ask_for_nothing_are_accepted(gateway) -> None:
     assert status == 200, content
 
 
+def test_a_conversation_reaches_the_decoder_turn_by_turn(sock_dir: Path) -> None:
+    """Every turn, in order (developer as system), on a deployment with a
+    text stage; refused (400 naming messages) on one without."""
+    messages = [
+        {"role": "developer", "content": "be brief"},
+        {"role": "user", "content": "first question"},
+        {"role": "assistant", "content": [{"type": "text", "text": "first"}, {"type": "text", "text": "answer"}]},
+        {"role": "user", "content": "second question"},
+    ]
+    for text_stage in (True, False):
+        with (
+            FakeDecoder(sock_dir / "decoder.sock", FakeDecoderConfig(num_chunks=2,
+                                                                     supports_instructions=text_stage)) as fake,
+            GatewayThread(fake.target, sock_dir, http_host="127.0.0.1", http_port=0) as gw,
+        ):
+            status, content = post(gw.http_port, {"model": "m", "messages": messages})
+            if not text_stage:
+                assert status == 400 and json.loads(content)["error"]["param"] == "messages", content
+                assert not fake.state.requests
+                continue
+            assert status == 200, content
+            sent = fake.state.requests[-1]
+            assert sent.prompt == "" and not sent.instructions
+            assert [(m.role, [p.text for p in m.content]) for m in sent.messages] == [
+                ("system", ["be brief"]), ("user", ["first question"]), ("assistant", ["first\nanswer"]),
+                ("user", ["second question"])]
+
+
 def test_fields_reach_the_decoder(gateway) -> None:
     gw, fake = gateway
     body = {
         "model": "m",
-        "messages": [
-            {"role": "user", "content": "first question"},
-            {"role": "assistant", "content": None, "audio": {"id": "audio_1"}},
+        "messages": [  # one user turn: the prompt
             {
                 "role": "user",
                 "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}],

@@ -350,6 +350,12 @@ def test_a_modality_the_deployment_cannot_produce_is_refused(stack: Stack, modal
         assert "produces text+audio" in err.details()
 
 
+def test_a_conversation_is_refused_by_a_decoder_without_a_text_stage(stack: Stack) -> None:
+    turn = common_pb2.ChatMessage(role="user", content=[common_pb2.ContentPart(text="hello")])
+    err = refused(lambda: decoder_generate(stack.tts_decoder, request_id="conv", messages=[turn]))
+    assert err.details().startswith("messages: this deployment (profile tts) speaks its input as is"), err.details()
+
+
 def test_instructions_refused_on_tts_and_taken_on_omni(stack: Stack) -> None:
     err = refused(lambda: speak(stack.tts_gateway, "hello", instructions="speak slowly"))
     assert err.details() == "instructions: this deployment (profile tts) does not take instructions"
@@ -601,3 +607,27 @@ def test_model_defaults_over_grpc_keeps_seeded_outputs_reproducible(stack: Stack
     c = speak(stack.tts_gateway, "same seed", seed=12, model_defaults=True)[2]
     pcm = [b"".join(x.audio for x in chunks) for chunks in (a, b, c)]
     assert pcm[0] == pcm[1] and pcm[0] != pcm[2]
+
+
+def test_a_conversation_in_the_decoders_request():
+    """GenerateRequest.messages: (role, text) turns; the prompt an engine
+    without a chat template reads is the last user turn; refusals name the field."""
+
+    def turn(role: str, *texts: str) -> common_pb2.ChatMessage:
+        return common_pb2.ChatMessage(role=role, content=[common_pb2.ContentPart(text=t) for t in texts])
+
+    req = decoder_pb2.GenerateRequest(request_id="r", messages=[
+        turn("system", "be brief"), turn("user", "one"), turn("assistant", "a", "b"), turn("user", "two")])
+    spec = spec_from_pb(req, "text+audio")
+    assert spec.messages == (("system", "be brief"), ("user", "one"), ("assistant", "a\nb"), ("user", "two"))
+    assert spec.prompt == "two" and not spec.instructions
+    for fields, field in [
+        ({"prompt": "hi", "messages": [turn("user", "x")]}, "messages"),
+        ({"instructions": "calm", "messages": [turn("user", "x")]}, "instructions"),
+        ({"messages": [turn("user", "x"), turn("assistant", "y")]}, "messages[1].role"),
+        ({"messages": [turn("critic", "x")]}, "messages[0].role"),
+        ({"messages": [turn("user")]}, "messages[0].content"),
+    ]:
+        with pytest.raises(InvalidArgumentError) as info:
+            spec_from_pb(decoder_pb2.GenerateRequest(request_id="r", **fields), "audio")
+        assert info.value.field == field, (fields, str(info.value))

@@ -136,11 +136,16 @@ def _speak(target: str, text: str, voice: str) -> np.ndarray:
     return np.frombuffer(pcm, dtype="<i2").astype(np.int32)
 
 
-def _generate(target: str, text: str, voice: str) -> tuple[list[int], np.ndarray]:
+def _generate(target: str, text: str, voice: str,
+              messages: list[tuple[str, str]] | None = None) -> tuple[list[int], np.ndarray]:
+    """Generate's (text ids, audio) for `text`, or for the conversation `messages` ((role, text) turns)."""
     with grpc.insecure_channel(target) as ch:
         stub = gateway_pb2_grpc.OmniGatewayServiceStub(ch)
         req = gateway_pb2.OmniGatewayServiceGenerateRequest(
-            prompt=text, voice=voice, output_modalities="text+audio", output_kind=gateway_pb2.OUTPUT_KIND_FINAL_ONLY,
+            prompt="" if messages else text, voice=voice, output_modalities="text+audio",
+            output_kind=gateway_pb2.OUTPUT_KIND_FINAL_ONLY,
+            messages=[common_pb2.ChatMessage(role=r, content=[common_pb2.ContentPart(text=t)])
+                      for r, t in messages or []],
             sampling_params=common_pb2.SamplingParams(temperature=0, max_tokens=THINKER_TOKENS,
                                                       max_audio_seconds=TALKER_DEFAULT_FRAMES / 12.5))
         final = [r.output for r in stub.Generate(req, timeout=300)][-1]
@@ -227,8 +232,18 @@ def test_speak_through_services_matches_reference(tmp_path_factory, checkpoint, 
         assert stack.stop() == []
 
 
+# A conversation: every turn through the chat template (the reference reads the same ids)
+CONVERSATION = [("system", "You are a helpful voice."), ("user", "What is the capital of France?"),
+                ("assistant", "It is Paris."), ("user", "And the capital of Italy?")]
+
+
 def test_generate_through_services_matches_reference(tmp_path_factory, checkpoint, reference):
     expected = {text: reference_generate(reference, text, voice) for text, voice in PROMPTS}
+    rendered = reference.tok.apply_chat_template([{"role": r, "content": t} for r, t in CONVERSATION],
+                                                 add_generation_prompt=True, tokenize=True)
+    rendered = list(rendered if isinstance(rendered, list) else rendered["input_ids"])
+    expected["conversation"] = _run_reference(reference, rendered, "chelsie", TALKER_DEFAULT_FRAMES + 1, THINKER_TOKENS,
+                                              None)
     results = {}
     for sync in (False, True):
         stack = _stack(tmp_path_factory, checkpoint, "omni", sync)
@@ -236,9 +251,14 @@ def test_generate_through_services_matches_reference(tmp_path_factory, checkpoin
             target = stack.gateway_target
             with concurrent.futures.ThreadPoolExecutor(4) as pool:
                 outs = list(pool.map(_generate, [target] * len(PROMPTS), *zip(*PROMPTS, strict=True)))
+            conversation = _generate(target, "", "chelsie", CONVERSATION)
         finally:
             assert stack.stop() == []
-        results[sync] = outs
+        ref_ids, _, ref_wav = expected["conversation"]
+        assert conversation[0] == ref_ids, f"thinker ids differ for the conversation: {conversation[0]} vs {ref_ids}"
+        assert conversation[1].shape == ref_wav.shape, (conversation[1].shape, ref_wav.shape)
+        assert float(np.abs(conversation[1] - ref_wav.numpy()).max()) <= 1e-4, "the conversation's waveform differs"
+        results[sync] = outs + [conversation]
         for (text, _), (ids, audio) in zip(PROMPTS, outs, strict=True):
             ref_ids, _, ref_wav = expected[text]
             assert ids == ref_ids, f"thinker ids differ for {text!r}: {ids} vs {ref_ids}"

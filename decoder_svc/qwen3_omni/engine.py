@@ -52,6 +52,10 @@ class ChatPrompts:
         messages = [{"role": "user", "content": text}]
         if instructions:  # Qwen3-Omni style: the instructions are the system turn
             messages.insert(0, {"role": "system", "content": instructions})
+        return self._render(messages)
+
+    def _render(self, messages: list[dict[str, str]]) -> list[int]:
+        """The conversation's ids through the chat template, the assistant's turn opened."""
         with self._lock:
             out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
         ids = out if isinstance(out, list) else out["input_ids"]
@@ -85,9 +89,13 @@ class ChatPrompts:
         )
 
     def chat(self, spec: RequestSpec) -> RequestSpec:
-        """The text as the user's message (omni profile), after a system turn
-        holding the request's instructions, if any."""
-        prompt = self._user_prompt(spec.prompt, spec.instructions)
+        """The request's conversation through the chat template, every turn
+        in order (omni profile); or its text as the user's message, after a
+        system turn holding its instructions, if any."""
+        if spec.messages:
+            prompt = self._render([{"role": role, "content": text} for role, text in spec.messages])
+        else:
+            prompt = self._user_prompt(spec.prompt, spec.instructions)
         self._check_length(len(prompt), spec.max_tokens, "prompt")
         return dataclasses.replace(spec, prompt_token_ids=prompt)
 

@@ -87,7 +87,10 @@ def frames_for(prompt_ids: list[int], max_tokens: int) -> int:
 
 
 def prompt_ids_for(spec: RequestSpec) -> list[int]:
-    """The fake thinker's prompt: the instructions (a system turn's place), then the text."""
+    """The fake thinker's prompt: the instructions (a system turn's place), then the text;
+    a conversation's turns joined by newlines (a system turn then a user turn: the same ids)."""
+    if spec.messages:
+        return tokenize("\n".join(text for _, text in spec.messages))
     if spec.instructions:
         return tokenize(spec.instructions + "\n" + spec.prompt)
     return tokenize(spec.prompt)

@@ -95,6 +95,7 @@ class FakeDecoderConfig:
     """Sleep before each chunk (a slow decoder)."""
     voices: tuple[str, ...] = FAKE_VOICES
     voice_aliases: dict[str, str] = field(default_factory=dict)  # GetDecoderInfo's, as given
+    supports_instructions: bool = False  # GetDecoderInfo's: a text stage (instructions, conversations)
     sample_rate: int = FAKE_SAMPLE_RATE
     script: Script | None = None
     """If set, replay these responses instead of generated audio."""
@@ -184,6 +185,7 @@ class FakeDecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             engine="fake",
             voices=list(self.config.voices),
             voice_aliases=self.config.voice_aliases,
+            supports_instructions=self.config.supports_instructions,
             sample_rate_hz=self.config.sample_rate,
             active_requests=len(self.state.active),
         )
