@@ -368,7 +368,7 @@ def generation_request_from_pb(
     if request.messages:
         if request.prompt:
             raise InvalidArgumentError("messages", "give prompt or messages, not both")
-        if request.instructions:
+        if request.instructions.strip():
             raise InvalidArgumentError("instructions", "with messages, style instructions are a system turn")
         messages = conversation_from_pb(request.messages, limits.max_text_chars)
         for i, (_, text) in enumerate(messages):

@@ -301,8 +301,20 @@ def _apply(request: object, name: str, value: object) -> None:
         request.ClearField("sampling_params")
         if value is not None:
             request.sampling_params.CopyFrom(value)
+    elif name == "messages":  # a conversation (drawn with or without the prompt)
+        del request.messages[:]
+        request.messages.extend(value)
     else:
         setattr(request, name, value)
+
+
+def conversations() -> st.SearchStrategy[list]:
+    """Any turns: roles valid or not, parts with text or empty, any number."""
+    part = st.one_of(strings().map(lambda t: common_pb2.ContentPart(text=t)), st.just(common_pb2.ContentPart()))
+    turn = st.builds(lambda role, parts: common_pb2.ChatMessage(role=role, content=parts),
+                     st.one_of(st.sampled_from(["system", "user", "assistant"]), strings(20)),
+                     st.lists(part, max_size=3))
+    return st.lists(turn, max_size=5)
 
 
 @st.composite
@@ -349,6 +361,7 @@ def generate_requests(
         "output_kind": enums([0, 1, 2, 3]),
         "voice": voices(known),
         "sampling_params": sampling_params(),
+        "messages": conversations(),
     }
     for name in draw(_corrupted(list(wild))):
         _apply(request, name, draw(wild[name]))
@@ -423,7 +436,15 @@ def invalid_fields(request: object, known: tuple[str, ...]) -> set[str]:
         bad.add("request_id")
     text_field = "text" if isinstance(request, gateway_pb2.SpeakRequest) else "prompt"
     text = getattr(request, text_field)
-    if len(text) > MAX_TEXT_CHARS or not text.strip():
+    conversation = not isinstance(request, gateway_pb2.SpeakRequest) and len(request.messages) > 0
+    if conversation:
+        # the fuzzed deployment (tts) has no text stage: every conversation is refused, naming
+        # whichever of its fields is checked first
+        bad.add("messages")
+        for i, turn in enumerate(request.messages):
+            bad |= {f"messages[{i}].role", f"messages[{i}].content"}
+            bad |= {f"messages[{i}].content[{j}]" for j in range(len(turn.content))}
+    if len(text) > MAX_TEXT_CHARS or (not text.strip() and not conversation):
         bad.add(text_field)
     if request.voice and request.voice not in known:
         bad.add("voice")
