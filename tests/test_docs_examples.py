@@ -46,8 +46,10 @@ def section_blocks(heading: str) -> list[tuple[str, str]]:
 
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory, tiny_checkpoint):
+    # the examples set no cap on most requests: the random-weight model would speak the default 60 s
     s = Stack(StackConfig(engine="vllm", model=str(tiny_checkpoint), port=0, http_port=0,
-                          runtime_dir=str(tmp_path_factory.mktemp("rt")), log_level="WARNING"))
+                          runtime_dir=str(tmp_path_factory.mktemp("rt")), log_level="WARNING",
+                          extra_decoder_args=["--default-audio-seconds", "4"]))
     s.start(timeout_s=300)
     yield s
     assert s.stop() == []

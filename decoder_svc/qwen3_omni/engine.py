@@ -96,7 +96,7 @@ class ChatPrompts:
             prompt = self._render([{"role": role, "content": text} for role, text in spec.messages])
         else:
             prompt = self._user_prompt(spec.prompt, spec.instructions)
-        self._check_length(len(prompt), spec.max_tokens, "prompt")
+        self._check_length(len(prompt), spec.max_tokens, "messages" if spec.messages else "prompt")
         return dataclasses.replace(spec, prompt_token_ids=prompt)
 
 
