@@ -31,8 +31,8 @@ Also: 1,000 random and mutated JSON bodies to the HTTP facade (never a
 
 Counts: 10,000 gateway requests (in batches of 1,000) and 10,000 snapshots
 (about 150 s and 40 s on two busy cores). With CI=true the gateway requests
-stop early if the next batch would take them past 45 s (at least 1,000 calls), and the materializer
-gets 3,000 snapshots;
+stop early if the next batch would take them past 25 s (at least 1,000 calls), and the materializer
+gets 1,500 snapshots;
 ``OMNI_SOAK_FULL=1`` runs the full count there too (``test_fuzz_gateway_requests_soak``,
 marked ``soak``). OMNI_FUZZ_EXAMPLES=N sets every
 count (a quick local run).
@@ -87,9 +87,9 @@ FULL_REQUESTS = 10_000
 FULL_SNAPSHOTS = 10_000
 HTTP_REQUESTS = 1_000
 BATCH = 1_000
-CI_BUDGET_S = 45.0
+CI_BUDGET_S = 25.0
 """Under CI=true the gateway requests stop before a batch would take the run past this."""
-CI_SNAPSHOTS = 3_000
+CI_SNAPSHOTS = 1_500
 """Under CI=true (without OMNI_SOAK_FULL=1) the materializer gets this many snapshots."""
 SOAK_FULL = os.environ.get("OMNI_SOAK_FULL") == "1"
 _OVERRIDE = int(os.environ.get("OMNI_FUZZ_EXAMPLES", "0"))

@@ -29,7 +29,6 @@ Async (materializer) and sync (in-process) output paths, one stack each
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import time
 
 import grpc
@@ -38,13 +37,13 @@ import pytest
 from omni_serving.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from omni_stack.config import StackConfig
 from omni_stack.stack import Stack
+from tests.ci_budget import CI_SHORT
 from tests.speech_helpers import metric
 
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
 
-_CI_SHORT = os.environ.get("CI") == "true" and os.environ.get("OMNI_SOAK_FULL") != "1"
-PROMPTS = [(f"sentence number {i} for the speech engine", 1000 + i) for i in range(3 if _CI_SHORT else 8)]
+PROMPTS = [(f"sentence number {i} for the speech engine", 1000 + i) for i in range(3 if CI_SHORT else 8)]
 MAX_TOKENS = 140  # the thinker's reply: with its prompt, past one 128-token block
 AUDIO_SECONDS = 10.0  # 125 talker frames: with its prompt, past one block
 TIGHT_KV = "max_model_len=256,kv_cache_memory=512KiB"
@@ -77,7 +76,7 @@ def preemptions(stack: Stack, stage: str) -> float:
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("sync", [False, True], ids=["async", "sync"])
 def test_preempted_requests_keep_their_thinker_stream_and_finish(tmp_path_factory, checkpoint, sync):
-    if sync and _CI_SHORT:  # CI time is budgeted: the rows are trimmed before either path builds them
+    if sync and CI_SHORT:  # CI time is budgeted: the rows are trimmed before either path builds them
         pytest.skip("under CI=true the sync stack runs with OMNI_SOAK_FULL=1")
     stack = Stack(StackConfig(engine="vllm", profile="omni", model=str(checkpoint), sync=sync, port=0, http_port=0,
                               runtime_dir=str(tmp_path_factory.mktemp("rt")), log_level="WARNING",

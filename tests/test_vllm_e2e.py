@@ -7,7 +7,6 @@ again with ``OMNI_SOAK_FULL=1``.
 from __future__ import annotations
 
 import concurrent.futures
-import os
 import subprocess
 import sys
 import urllib.request
@@ -20,14 +19,14 @@ import pytest
 from omni_serving.v1 import common_pb2, decoder_pb2, decoder_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 from omni_stack.config import StackConfig
 from omni_stack.stack import Stack
+from tests.ci_budget import CI_SHORT
 from tests.fs_helpers import tree_snapshot
 from tests.speech_helpers import check_chunks, describe_pcm_difference, digest, metric, speak_chunks
 
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.vllm, pytest.mark.e2e]
 
-_CI_SHORT = os.environ.get("CI") == "true" and os.environ.get("OMNI_SOAK_FULL") != "1"
-PROMPTS = [(f"sentence number {i} for the speech engine", 1000 + i) for i in range(4 if _CI_SHORT else 8)]
+PROMPTS = [(f"sentence number {i} for the speech engine", 1000 + i) for i in range(4 if CI_SHORT else 8)]
 
 
 @pytest.fixture(scope="module")
