@@ -41,6 +41,9 @@ class RequestSpec:
     # the model's chat template (``prompt`` is then the last user turn's
     # text, for engines without a template); omni_common.conversation.
     messages: tuple[tuple[str, str], ...] = ()
+    # Speak the prompt as it is written: the request starts at the speaking
+    # stage (the talker), whatever stages come before it (GenerateRequest.verbatim).
+    verbatim: bool = False
     # Conditioning from an upstream stage (e.g. the thinker's hidden states).
     conditioning: dict[str, torch.Tensor] = field(default_factory=dict)
     # The first stage's prompt as token ids (a rendered chat prompt), and the

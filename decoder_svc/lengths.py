@@ -300,7 +300,8 @@ def check_request(spec, settings: DeploymentSettings) -> None:
             f"must be in [0, {settings.max_first_chunk_frames}] (0 = the deployment's choice; at most its "
             f"steady chunk of {settings.max_first_chunk_frames} codec frames), got {first}",
         )
-    if settings.has_text_stage and spec.max_tokens > settings.max_text_tokens:
+    # (a text spoken as written: max_tokens caps its codec frames, as on a deployment without a text stage)
+    if settings.has_text_stage and not spec.verbatim and spec.max_tokens > settings.max_text_tokens:
         raise InvalidArgumentError(
             f"{sp}.max_tokens",
             f"{spec.max_tokens} is above this deployment's maximum of {settings.max_text_tokens} text tokens "

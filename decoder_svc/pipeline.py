@@ -92,7 +92,8 @@ class Pipeline:
         """vocoder: the generation stage's streaming vocoder (``new_stream``,
         ``voices``, ``sample_rate``, ``num_codebooks``, ``codebook_size``):
         the model family's (the fake engine's is a test double). prepare: turns a request into what
-        the first stage takes (e.g. a chat prompt, tokenized), or raises
+        its first stage takes (e.g. a chat prompt, tokenized; for a
+        ``verbatim`` request, what the speaking stage takes), or raises
         InvalidArgumentError. stall_timeout_s: the materializer is dropped
         (and retried in the background) when it leaves steps unanswered this
         long, or keeps decode steps waiting for slots more than half of it.
@@ -121,6 +122,10 @@ class Pipeline:
         self.sample_rate = int(vocoder.sample_rate)
         self._prepare = prepare
         self._roles = [s.engine_role or s.name for s in self.ar_configs]
+        # where a text spoken as written starts (GenerateRequest.verbatim): the
+        # first stage that speaks; with none, the first stage (which refuses it)
+        self._speaking = next((s for s, role in zip(self.ar_configs, self._roles, strict=True) if role == "talker"),
+                              self.ar_configs[0])
         self.router = Router(
             self.requests,
             ar_configs=self.ar_configs,
@@ -268,7 +273,8 @@ class Pipeline:
         # each AR stage's token cap: the text stage's from max_tokens, the
         # audio stage's from max_audio_seconds (and max_tokens, when it is first)
         frames = settings.audio_frames(spec.max_audio_seconds)
-        if self._roles[0] == "thinker":
+        first = self._speaking if spec.verbatim else self.ar_configs[0]
+        if (first.engine_role or first.name) == "thinker":
             first_max = spec.max_tokens or settings.default_text_tokens
         else:
             first_max = min(spec.max_tokens, frames) if spec.max_tokens else frames
@@ -277,7 +283,6 @@ class Pipeline:
         if spec.modality.has_multimodal:
             ctx.guard = settings.new_guard()
         self.requests.add(ctx)
-        first = self.ar_configs[0]
         try:
             self.backends[first.name].add_request(spec)
         except BaseException:  # refused by the engine: nothing of the request stays
@@ -386,10 +391,13 @@ class Pipeline:
     def _engine_settings(self, stage: str) -> dict[str, str]:
         facts = getattr(self.backends[stage], "engine_facts", None)
         try:
-            settings = facts().get("engine_settings", {}) if callable(facts) else {}
+            all_facts = facts() if callable(facts) else {}
         except Exception:  # noqa: BLE001 -- a stage process being restarted says nothing
             return {}
-        return {str(k): str(v) for k, v in settings.items()}
+        out = {str(k): str(v) for k, v in all_facts.get("engine_settings", {}).items()}
+        if "enable_prefix_caching" in all_facts:  # the profile's, as the engine took it: what is cached
+            out["enable_prefix_caching"] = str(bool(all_facts["enable_prefix_caching"])).lower()
+        return out
 
     def stage_infos(self) -> list[decoder_pb2.StageInfo]:
         infos = []

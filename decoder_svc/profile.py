@@ -391,6 +391,24 @@ def _input_chunks(where: str, raw: dict[str, Any]) -> tuple[tuple[int, ...], int
     return tuple(int(x) for x in ramp), int(raw["input_chunk_tokens"])
 
 
+def _check_prefix_caching(i: int, stage: StageConfig, stages: tuple[StageConfig, ...]) -> None:
+    """Refuse prefix caching on a stage that hands every position's rows to
+    the next AR stage: a prompt position served from the prefix cache is not
+    computed again, so its rows (the talker's input) would be missing."""
+    downstream = stages[i + 1] if i + 1 < len(stages) else None
+    if not stage.enable_prefix_caching or downstream is None or downstream.kind != "ar":
+        return
+    per_position = sorted(r["source"] for r in stage.routes
+                          if r.get("destination") == "inter_stage" and r.get("selection", "all") == "all")
+    if per_position:
+        raise InvalidArgumentError(
+            f"stages[{i}].enable_prefix_caching",
+            f"stage {stage.name} hands the rows of every prompt position ({', '.join(per_position)}) to stage "
+            f"{downstream.name}; a position served from the prefix cache is not computed again, so its rows "
+            "would be missing: set it to false",
+        )
+
+
 def load_profile(name_or_path: str, *, environ: Mapping[str, str] | None = None) -> Profile:
     """Load a shipped profile by name ("tts", "omni") or a YAML file by path,
     with the engine settings of ``OMNI_ENGINE_SET`` in `environ` (default:
@@ -426,6 +444,7 @@ def load_profile(name_or_path: str, *, environ: Mapping[str, str] | None = None)
         )
         if refused is not None:
             raise refused
+        _check_prefix_caching(i, s, stages)
     profile = Profile(
         name=str(raw.get("name", path.stem)),
         async_chunk=bool(raw.get("async_chunk", True)),

@@ -56,7 +56,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="materializer target (unix:///path.sock); empty = build payloads in-process")
     p.add_argument("--deployment", default=os.environ.get("OMNI_DEPLOYMENT", "default"),
                    help="deployment name; shared-memory segments are named omni-<deployment>-*")
-    p.add_argument("--profile", default=os.environ.get("OMNI_PROFILE", "tts"),
+    p.add_argument("--profile", default=os.environ.get("OMNI_PROFILE", "omni"),
                    help=f"deploy profile: one of {available_profiles()} or a YAML path")
     p.add_argument("--engine", choices=("vllm", "fake", "reference"), default=os.environ.get("OMNI_ENGINE", "vllm"),
                    help="vllm (default: the model) or fake (a deterministic test double, not a model; "

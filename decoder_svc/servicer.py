@@ -79,11 +79,12 @@ def spec_from_pb(
         temperature = temperature or settings.default_temperature
         top_p = top_p or settings.default_top_p
         top_k = top_k or settings.default_top_k
-    modality = (
-        OutputModality.from_proto(req.output_modalities)
-        if req.output_modalities
-        else OutputModality.from_string(default_modalities)
-    )
+    if req.output_modalities:
+        modality = OutputModality.from_proto(req.output_modalities)
+    else:  # a text spoken as written is audio only, whatever the profile's default
+        modality = OutputModality.AUDIO if req.verbatim else OutputModality.from_string(default_modalities)
+    if req.verbatim:
+        _check_verbatim(req, modality)
     task = "embed" if req.task == common_pb2.REQUEST_TASK_EMBED else "generate"
     return RequestSpec(
         request_id=req.request_id,
@@ -101,7 +102,24 @@ def spec_from_pb(
         max_audio_seconds=sp.max_audio_seconds,
         first_chunk_frames=sp.first_chunk_frames,
         instructions=req.instructions.strip(),
+        verbatim=req.verbatim,
     )
+
+
+def _check_verbatim(req: decoder_pb2.GenerateRequest, modality: OutputModality) -> None:
+    """A text to speak as written: audio out, one prompt, no instructions."""
+    if req.messages:
+        raise InvalidArgumentError("messages", "a text spoken as written (verbatim) is one prompt, not a conversation")
+    if req.instructions.strip():  # blank ones are none
+        raise InvalidArgumentError(
+            "instructions", "a text spoken as written (verbatim) has no turn to carry style instructions"
+        )
+    if req.task == common_pb2.REQUEST_TASK_EMBED:
+        raise InvalidArgumentError("task", "a text spoken as written (verbatim) is a generation request")
+    if modality != OutputModality.AUDIO:
+        raise InvalidArgumentError(
+            "output_modalities", f"a text spoken as written (verbatim) produces audio only, got {modality.to_string()}"
+        )
 
 
 def stuck_parts(watchdog: Watchdog) -> list[decoder_pb2.StuckPart]:

@@ -146,16 +146,13 @@ class GatewayEngine:
                 modality=OutputModality.AUDIO,
                 sampling_params=request.sampling_params,
                 instructions=request.instructions,
+                verbatim=True,
             )
             voice = await self._voice(request.voice, info)
             rate = check_sample_rate(request.sample_rate_hz, info)
             upstream = decoder_request(
-                request.request_id,
-                request.text,
-                OutputModality.AUDIO,
-                voice,
-                request.sampling_params,
-                request.instructions,
+                request.request_id, request.text, OutputModality.AUDIO, voice, request.sampling_params,
+                verbatim=True,
             )
             sequence = samples = 0
             first_packet: float | None = None

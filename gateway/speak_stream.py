@@ -499,17 +499,14 @@ class SpeakStreamCall:
             info = await engine.pool.info(refresh=True)
             voice = check_voice(config.voice, info, config.voice_field)
         rate = check_sample_rate(config.sample_rate_hz, info, config.sample_rate_field)
-        if config.instructions and not info.supports_instructions:
-            raise InvalidArgumentError(
-                config.instructions_field,
-                f"this deployment (profile {info.profile or 'unknown'}) does not take instructions",
-            )
         check_against_decoder(
             info,
             modality=OutputModality.AUDIO,
             sampling_params=config.sampling_params,
             instructions=config.instructions,
             field=config.sampling_params_field,
+            verbatim=True,
+            instructions_field=config.instructions_field,
         )
         self._config, self._voice, self._rate = config, voice, rate
         self.call_id = config.request_id
@@ -587,12 +584,8 @@ class SpeakStreamCall:
         config = self._config
         assert config is not None
         upstream = decoder_request(
-            f"{self.call_id}/{index}",
-            text,
-            OutputModality.AUDIO,
-            self._voice,
-            config.sampling_params,
-            config.instructions,
+            f"{self.call_id}/{index}", text, OutputModality.AUDIO, self._voice, config.sampling_params,
+            verbatim=True,
         )
         limits = self._engine.limits
         max_audio = max(2, (limits.max_response_bytes - 4096 - 4 * len(text)) // 2 * 2)

@@ -235,9 +235,18 @@ def check_against_decoder(
     modality_field: str = "output_modalities",
     field: str = "sampling_params",
     conversation: bool = False,
+    verbatim: bool = False,
+    instructions_field: str = "instructions",
 ) -> None:
     """A request against what the deployment can do (see the module docstring;
-    `conversation`: the request gives messages, which need a text stage)."""
+    `conversation`: the request gives messages, which need a text stage;
+    `verbatim`: a text spoken as written, which takes no instructions)."""
+    if instructions and verbatim:
+        raise InvalidArgumentError(
+            instructions_field,
+            "speech speaks the text as written: no text stage reads style instructions "
+            "(give them to Generate on a deployment that takes them)",
+        )
     if info.output_modalities:
         produced = OutputModality.from_string("+".join(info.output_modalities))
         missing = modality & ~produced
@@ -249,7 +258,7 @@ def check_against_decoder(
             )
     if instructions and not info.supports_instructions:
         raise InvalidArgumentError(
-            "instructions",
+            instructions_field,
             f"this deployment (profile {info.profile or 'unknown'}) does not take instructions",
         )
     if conversation and not info.supports_instructions:
@@ -274,7 +283,8 @@ def check_against_decoder(
             f"{first} is above this deployment's maximum of {limits.max_first_chunk_frames} codec frames "
             "(0 = the deployment's choice)",
         )
-    if limits.max_text_tokens and sampling_params.max_tokens > limits.max_text_tokens:
+    # (speech: max_tokens caps the codec frames, which max_audio_seconds bounds)
+    if limits.max_text_tokens and not verbatim and sampling_params.max_tokens > limits.max_text_tokens:
         raise InvalidArgumentError(
             f"{field}.max_tokens",
             f"{sampling_params.max_tokens} is above this deployment's maximum of "
@@ -395,9 +405,12 @@ def decoder_request(
     sampling_params: common_pb2.SamplingParams | None,
     instructions: str = "",
     messages: tuple[tuple[str, str], ...] = (),
+    *,
+    verbatim: bool = False,
 ) -> decoder_pb2.GenerateRequest:
     """The `DecoderService.Generate` request for a validated gateway request
-    (`messages`: a conversation instead of `prompt`)."""
+    (`messages`: a conversation instead of `prompt`; `verbatim`: the prompt
+    is spoken as written, as Speak does)."""
     out = decoder_pb2.GenerateRequest(
         request_id=request_id,
         prompt=prompt,
@@ -407,6 +420,7 @@ def decoder_request(
         instructions=instructions,
         messages=[common_pb2.ChatMessage(role=role, content=[common_pb2.ContentPart(text=text)])
                   for role, text in messages],
+        verbatim=verbatim,
     )
     if sampling_params is not None:
         out.sampling_params.CopyFrom(sampling_params)

@@ -36,7 +36,7 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 class StackConfig:
     """What `omni-serving up` runs. Ports set to 0 are picked free at start."""
 
-    profile: str = "tts"
+    profile: str = "omni"
     engine: str = "vllm"
     materializer_impl: str = "reference"
     model: str = ""  # Qwen3-Omni checkpoint directory; empty = the decoder's default
@@ -220,7 +220,7 @@ class UpOption:
 
 
 UP_OPTIONS: tuple[UpOption, ...] = (
-    UpOption("profile", str, "deploy profile: tts, omni or a profile YAML path"),
+    UpOption("profile", str, "deploy profile: omni (speech and chat), tts (speech only) or a profile YAML path"),
     UpOption(
         "engine",
         str,

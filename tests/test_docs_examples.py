@@ -1,6 +1,8 @@
-"""The speech examples of docs/gateway.md, run as written against the
-default stack (``omni-serving up``: vLLM, the ``tts`` profile, the tiny
-Qwen3-Omni checkpoint); only the address is the test's.
+"""The speech and chat examples of docs/gateway.md, run as written against
+the default stack (``omni-serving up``: vLLM, the ``omni`` profile, the tiny
+Qwen3-Omni checkpoint): one deployment serves both routes. Only the address
+is the test's (and the decoder's default caps: the random-weight model
+would speak and write for as long as they allow).
 
 They use OpenAI's voice name ``alloy``, which the model serves through its
 voice aliases (``omni_common.voices``; Qwen3-Omni's table in
@@ -11,7 +13,9 @@ for, with the same seed.
 
 from __future__ import annotations
 
+import base64
 import io
+import json
 import re
 import subprocess
 import sys
@@ -21,7 +25,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from omni_serving.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from omni_serving.v1 import common_pb2, decoder_pb2, decoder_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 from omni_stack.config import StackConfig
 from omni_stack.stack import Stack
 from tests.speech_helpers import check_chunks
@@ -31,6 +35,7 @@ pytestmark = [pytest.mark.vllm, pytest.mark.e2e, pytest.mark.timeout(600)]
 
 GATEWAY_DOC = Path(__file__).resolve().parent.parent / "docs" / "gateway.md"
 SECTION = "### `POST /v1/audio/speech`"
+CHAT_SECTION = "### `POST /v1/chat/completions`"
 DOC_URL = "http://127.0.0.1:8000"
 
 
@@ -49,13 +54,25 @@ def stack(tmp_path_factory, tiny_checkpoint):
     # the examples set no cap on most requests: the random-weight model would speak the default 60 s
     s = Stack(StackConfig(engine="vllm", model=str(tiny_checkpoint), port=0, http_port=0,
                           runtime_dir=str(tmp_path_factory.mktemp("rt")), log_level="WARNING",
-                          extra_decoder_args=["--default-audio-seconds", "4"]))
+                          extra_decoder_args=["--default-audio-seconds", "4", "--default-text-tokens", "12"]))
     s.start(timeout_s=300)
     yield s
     assert s.stop() == []
 
 
+def stage_steps(stack) -> dict[str, int]:
+    """Decode steps so far, by AR stage, and each AR stage's enable_prefix_caching."""
+    with grpc.insecure_channel(stack.decoder_target) as ch:
+        info = decoder_pb2_grpc.DecoderServiceStub(ch).GetDecoderInfo(decoder_pb2.GetDecoderInfoRequest(), timeout=30)
+    assert info.profile == "omni", "the default stack serves both routes"
+    ar = [s for s in info.stages if s.kind == decoder_pb2.STAGE_KIND_AR]
+    # nothing is served from earlier requests' KV cache (docs/profiles.md, "What is cached")
+    assert {s.name: s.engine_settings["enable_prefix_caching"] for s in ar} == {"thinker": "false", "talker": "false"}
+    return {s.name: s.steps for s in ar}
+
+
 def test_the_speech_examples_run_as_written(stack, tmp_path):
+    before = stage_steps(stack)
     blocks = section_blocks(SECTION)
     (shell,) = [code for info, code in blocks if "curl " in code]
     (python,) = [code for info, code in blocks if info == "python"]
@@ -86,3 +103,31 @@ def test_the_speech_examples_run_as_written(stack, tmp_path):
     run = subprocess.run([sys.executable, "-c", python.replace(DOC_URL, stack.http_url) + checks],
                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
     assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]
+    # speech is spoken as written: the talker ran, the thinker did not
+    after = stage_steps(stack)
+    assert after["thinker"] == before["thinker"] and after["talker"] > before["talker"], (before, after)
+
+
+def test_the_chat_examples_run_as_written(stack, tmp_path):
+    blocks = section_blocks(CHAT_SECTION)
+    (shell,) = [code for info, code in blocks if "curl " in code]
+    (python,) = [code for info, code in blocks if info == "python"]
+    assert DOC_URL in shell and DOC_URL in python, "the examples' address changed: update DOC_URL"
+    before = stage_steps(stack)
+
+    run = subprocess.run(["bash", "-euo", "pipefail", "-c", shell.replace(DOC_URL, stack.http_url)],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    events = [line.removeprefix("data: ") for line in run.stdout.splitlines() if line.startswith("data: ")]
+    assert events and events[-1] == "[DONE]", run.stdout[-1000:]
+    audio = [c["choices"][0]["delta"].get("audio") or {} for c in map(json.loads, events[:-1]) if c["choices"]]
+    assert "".join(a.get("transcript", "") for a in audio), run.stdout[-2000:]
+    assert b"".join(base64.b64decode(a.get("data", "")) for a in audio), run.stdout[-2000:]
+
+    checks = ("\nassert pcm and len(pcm) % 2 == 0, len(pcm)\nassert ''.join(transcript), transcript"
+              "\nprint('ok')\n")
+    run = subprocess.run([sys.executable, "-c", python.replace(DOC_URL, stack.http_url) + checks],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stderr[-2000:]
+    after = stage_steps(stack)
+    assert after["thinker"] > before["thinker"] and after["talker"] > before["talker"], (before, after)

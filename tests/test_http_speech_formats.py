@@ -358,6 +358,7 @@ def tts_stack(tmp_path_factory):
 
     stack = Stack(
         StackConfig(
+            profile="tts",
             engine="fake",
             runtime_dir=str(tmp_path_factory.mktemp("rt")),
             port=0,

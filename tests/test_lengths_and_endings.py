@@ -357,8 +357,6 @@ def test_a_conversation_is_refused_by_a_decoder_without_a_text_stage(stack: Stac
 
 
 def test_instructions_refused_on_tts_and_taken_on_omni(stack: Stack) -> None:
-    err = refused(lambda: speak(stack.tts_gateway, "hello", instructions="speak slowly"))
-    assert err.details() == "instructions: this deployment (profile tts) does not take instructions"
     err = refused(
         lambda: decoder_generate(
             stack.tts_decoder, request_id="instr", prompt="hello", instructions="speak slowly"
@@ -376,9 +374,38 @@ def test_instructions_refused_on_tts_and_taken_on_omni(stack: Stack) -> None:
     assert (
         len("".join(o.text.text for o in styled)) == 8 + len("speak slowly and warmly\nhello") // 2
     )
-    # Speak on omni passes them too
-    samples, reason, _ = speak(stack.omni_gateway, "hello", instructions="whisper", seed=7)
-    assert samples > 0 and reason == "stop"
+
+
+def test_speak_takes_no_instructions_on_any_deployment(stack: Stack) -> None:
+    """Speak speaks its text as written: no text stage could read instructions."""
+    for target in (stack.tts_gateway, stack.omni_gateway):
+        err = refused(lambda t=target: speak(t, "hello", instructions="speak slowly"))
+        assert err.details().startswith("instructions: speech speaks the text as written"), err.details()
+
+
+def test_speak_on_omni_speaks_the_text_as_written(stack: Stack) -> None:
+    """One deployment, both routes: Speak on omni skips the thinker and gives
+    the audio the tts deployment gives (the fake talker speaks what it reads)."""
+    _, reason, on_omni = speak(stack.omni_gateway, "hello there", seed=11)
+    _, _, on_tts = speak(stack.tts_gateway, "hello there", seed=11)
+    assert reason == "stop"
+    assert b"".join(c.audio for c in on_omni) == b"".join(c.audio for c in on_tts)
+    # max_tokens caps a spoken text's codec frames, not the thinker's text tokens
+    with grpc.insecure_channel(stack.omni_gateway) as ch:
+        (card,) = gateway_pb2_grpc.OmniGatewayServiceStub(ch).ListModels(gateway_pb2.ListModelsRequest()).models
+    assert card.limits.max_text_tokens > 0
+    _, _, uncapped = speak(stack.omni_gateway, "hello there", seed=11, max_tokens=card.limits.max_text_tokens + 1)
+    assert b"".join(c.audio for c in uncapped) == b"".join(c.audio for c in on_omni)
+    # the decoder's own refusals of a text spoken as written
+    turn = common_pb2.ChatMessage(role="user", content=[common_pb2.ContentPart(text="hi")])
+    for fields, name in (
+        ({"messages": [turn]}, "messages"),
+        ({"prompt": "hi", "instructions": "calm"}, "instructions"),
+        ({"prompt": "hi", "output_modalities": OutputModality.TEXT.to_proto()}, "output_modalities"),
+        ({"prompt": "hi", "task": common_pb2.REQUEST_TASK_EMBED}, "task"),
+    ):
+        err = refused(lambda f=fields: decoder_generate(stack.omni_decoder, request_id="verb", verbatim=True, **f))
+        assert err.details().startswith(f"{name}: a text spoken as written (verbatim)"), err.details()
 
 
 def test_fake_thinker_prompt_holds_the_instructions() -> None:

@@ -316,7 +316,7 @@ def _parse(*argv: str) -> StackConfig:
 
 def test_defaults():
     cfg = _parse()
-    assert (cfg.profile, cfg.engine, cfg.materializer_impl) == ("tts", "vllm", "reference")
+    assert (cfg.profile, cfg.engine, cfg.materializer_impl) == ("omni", "vllm", "reference")
     assert (cfg.host, cfg.port, cfg.http_port) == ("127.0.0.1", 50051, 8000)
     assert (cfg.decoder_metrics_port, cfg.materializer_metrics_port) == (9101, 9102)
     assert cfg.startup_timeout >= 120, "vLLM's first run creates models: startup needs time"

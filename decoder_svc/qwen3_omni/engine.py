@@ -40,12 +40,15 @@ __all__ = ["Qwen3OmniEngine", "build_engine", "build_front", "build_stage_backen
 class ChatPrompts:
     """Chat prompts through the checkpoint's tokenizer and chat template."""
 
-    def __init__(self, checkpoint: OmniCheckpoint, *, max_model_len: int) -> None:
+    def __init__(self, checkpoint: OmniCheckpoint, *, max_model_len: int, speak_max_model_len: int = 0) -> None:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(checkpoint.path))
         self.end_of_turn = int(checkpoint.config["im_end_token_id"])
+        # the first stage's context (a chat prompt's), and the talker's (a
+        # text spoken as written; 0: the first stage's)
         self.max_model_len = max_model_len
+        self.speak_max_model_len = speak_max_model_len
         self._lock = threading.Lock()  # fast tokenizers are not re-entrant
 
     def _user_prompt(self, text: str, instructions: str = "") -> list[int]:
@@ -65,25 +68,26 @@ class ChatPrompts:
         with self._lock:
             return [int(t) for t in self.tokenizer(text, add_special_tokens=False)["input_ids"]]
 
-    def _check_length(self, n: int, max_tokens: int, field: str) -> None:
-        if n >= self.max_model_len:
+    def _check_length(self, n: int, max_tokens: int, field: str, context: int = 0) -> None:
+        context = context or self.max_model_len
+        if n >= context:
             raise InvalidArgumentError(
                 field,
-                f"is {n} tokens with the chat template; the model's context is {self.max_model_len}",
+                f"is {n} tokens with the chat template; the model's context is {context}",
             )
-        if n + max_tokens > self.max_model_len:
+        if n + max_tokens > context:
             raise InvalidArgumentError(
                 "sampling_params.max_tokens",
-                f"{max_tokens} plus the prompt's {n} tokens exceeds the model's context of {self.max_model_len}",
+                f"{max_tokens} plus the prompt's {n} tokens exceeds the model's context of {context}",
             )
 
     def speak(self, spec: RequestSpec) -> RequestSpec:
-        """The text as the assistant's reply (tts profile)."""
+        """The text as the assistant's reply (tts profile; a ``verbatim`` request)."""
         reply = self._tokens(spec.prompt)
         if not reply:
             raise InvalidArgumentError("text", "has no tokens to speak")
         prompt = self._user_prompt(spec.prompt)
-        self._check_length(len(prompt) + len(reply), 0, "text")
+        self._check_length(len(prompt) + len(reply), 0, "text", self.speak_max_model_len)
         return dataclasses.replace(
             spec, prompt_token_ids=prompt, reply_token_ids=reply + [self.end_of_turn]
         )
@@ -115,7 +119,7 @@ class Qwen3OmniEngine:
 
     def prepare(self, spec: RequestSpec) -> RequestSpec:
         first = next(iter(self.backends.values()))
-        if isinstance(first, ThinkerBackend):
+        if isinstance(first, ThinkerBackend) and not spec.verbatim:
             return self.prompts.chat(spec)
         return self.prompts.speak(spec)
 
@@ -207,9 +211,16 @@ class EngineFront:
     first_role: str
 
     def prepare(self, spec: RequestSpec) -> RequestSpec:
-        if self.first_role == "thinker":
+        if self.first_role == "thinker" and not spec.verbatim:
             return self.prompts.chat(spec)
         return self.prompts.speak(spec)
+
+
+def speaking_context(profile: Profile, backends: dict[str, Any]) -> int:
+    """The context of the profile's talker (a text spoken as written starts
+    there); 0 without one."""
+    talker = next((s for s in profile.ar_stages if (s.engine_role or s.name) == "talker"), None)
+    return int(backends[talker.name].max_model_len) if talker is not None else 0
 
 
 def _speakers(checkpoint: OmniCheckpoint) -> tuple[str, ...]:
@@ -277,7 +288,8 @@ def build_engine(
                 **backend_kwargs,
             )
         vocoder = _vocoder(checkpoint, profile)
-        prompts = ChatPrompts(checkpoint, max_model_len=backends[profile.ar_stages[0].name].max_model_len)
+        prompts = ChatPrompts(checkpoint, max_model_len=backends[profile.ar_stages[0].name].max_model_len,
+                              speak_max_model_len=speaking_context(profile, backends))
     except BaseException:
         for b in backends.values():
             b.close()

@@ -23,7 +23,13 @@ from omni_common.errors import InvalidArgumentError
 from .cache import default_model_dir
 from .checkpoint import CheckpointError, OmniCheckpoint
 from .engine import build_engine as build_qwen3_omni
-from .engine import build_front, kv_elements_per_token, stage_settings, vocoder_placement
+from .engine import (
+    build_front,
+    kv_elements_per_token,
+    speaking_context,
+    stage_settings,
+    vocoder_placement,
+)
 from .engine import build_stage_backend as build_backend
 from .memory_plan import MemoryPlan, PlanRefused, plan_memory
 
@@ -47,6 +53,7 @@ def build_engine(
             backends = launch(str(front.checkpoint.path))
             # the prompts' context: the first stage's, as its process resolved it
             front.prompts.max_model_len = backends[profile.ar_stages[0].name].max_model_len
+            front.prompts.speak_max_model_len = speaking_context(profile, backends)
             return EngineParts(backends, front.vocoder, front.prepare)
         engine = build_qwen3_omni(profile, Path(model) if model else None, max_num_seqs=max_num_seqs)
     except CheckpointError as exc:
