@@ -29,6 +29,7 @@ from gateway.replicas import (
 )
 from gateway.validation import DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_MAX_TEXT_CHARS
 from omni_common.errors import InvalidArgumentError, OmniError
+from omni_common.fast_exit import run_service
 from omni_common.liveness import StallLimits
 from omni_common.logging_setup import setup_logging
 from omni_common.net import LOOPBACK
@@ -225,4 +226,4 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_service(main)

@@ -1,4 +1,5 @@
 from materializer_svc.server import main
+from omni_common.fast_exit import run_service
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_service(main)

@@ -57,6 +57,7 @@ from decoder_svc.code2wav.messages import (
 )
 from decoder_svc.spawned import pipe_sender
 from omni_common import metrics_forward
+from omni_common.fast_exit import exit_now
 from omni_common.heap import HeapTrimmer
 from omni_common.liveness import Progress
 from omni_common.shm_arena import ArenaReader
@@ -244,3 +245,5 @@ def worker_main(
         done.set()
         reader.close()
         results.close()
+    # stopped in order above: the interpreter's own exit only costs time (omni_common.fast_exit)
+    exit_now(0)
