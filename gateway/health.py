@@ -107,6 +107,8 @@ class DecoderMonitor:
         if healthy != self.healthy:
             if healthy:
                 logger.info("decoder at %s is healthy", self._decoder.target)
+            elif self.healthy is None:  # never seen healthy: still starting, as a rule
+                logger.info("decoder at %s is not serving yet: %s", self._decoder.target, problem)
             else:
                 logger.warning("decoder at %s is not healthy: %s", self._decoder.target, problem)
             self.healthy = healthy

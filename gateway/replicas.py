@@ -547,9 +547,11 @@ class ReplicaPool:
             healthy = up > 0
             if healthy == self._healthy:
                 return
-            self._healthy = healthy
+            before, self._healthy = self._healthy, healthy
             if healthy:
                 logger.info("%d of %d decoders healthy: serving", up, len(replicas))
+            elif before is None:  # none seen healthy yet: they are starting, as a rule
+                logger.info("no decoder serving yet (%d configured): waiting", len(replicas))
             else:
                 logger.warning("no healthy decoder (%d configured): not serving", len(replicas))
             if self.on_change is not None:

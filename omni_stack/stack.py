@@ -7,8 +7,9 @@
   launcher, and everything a service started can be found and stopped with it.
 - `start` sweeps what dead stacks left on this host, whatever their
   deployment name, then starts the services in order, each once the previous
-  one answers SERVING (generously: the vLLM engine creates its tiny models on
-  first run).
+  ones answer SERVING (generously: the vLLM engine creates its tiny models on
+  first run), except the gateway: it starts beside its decoders (importing
+  it takes seconds) and serves once one of them is healthy.
 - `supervise` / `poll` restart services that exit on their own
   (omni_stack.supervision) and carry out rolling restarts of the
   materializers (omni_stack.rolling).
@@ -232,7 +233,8 @@ class Stack:
     # -- lifecycle
     def start(self, timeout_s: float | None = None, abort: threading.Event | None = None) -> None:
         """Sweep what dead stacks left, then start the services in order, each
-        once the previous one is healthy.
+        once the previous ones are healthy (the gateway beside its decoders:
+        it waits for them itself).
 
         Raises StackError when one exits or stays unhealthy past timeout_s
         (default cfg.startup_timeout), StartAborted when `abort` is set;
@@ -252,14 +254,29 @@ class Stack:
         tmp = self.runtime / "tmp"  # the services' temp files go away with the stack
         tmp.mkdir(mode=0o700, exist_ok=True)
         try:
+            started: list[ServiceProcess] = []
             for svc in self.services:
+                # a service starts once those before it are healthy; the gateway
+                # starts beside its decoders (it serves once one is healthy)
+                if svc.role != "gateway":
+                    self._await_healthy(started, timeout, abort)
                 self._spawn(svc)
-                self._wait_healthy(svc, timeout, abort)
-                svc.state = "running"
-                svc.healthy_at = time.monotonic()
+                started.append(svc)
+            self._await_healthy(started, timeout, abort)
         except BaseException:
             self.stop()
             raise
+
+    def _await_healthy(
+        self, services: list[ServiceProcess], timeout_s: float, abort: threading.Event | None
+    ) -> None:
+        """Wait, in order, for each of `services` not yet running to answer SERVING."""
+        for svc in services:
+            if svc.state == "running":
+                continue
+            self._wait_healthy(svc, timeout_s, abort)
+            svc.state = "running"
+            svc.healthy_at = time.monotonic()
 
     def _popen(self, svc: ServiceProcess, argv: list[str]) -> subprocess.Popen:
         env = {**os.environ, **svc.env, "TMPDIR": str(self.runtime / "tmp")}
