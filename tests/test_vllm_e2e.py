@@ -1,7 +1,10 @@
 """The real stack on the vLLM engine: async (materializer) and sync paths agree.
 
-Each comparison sends 8 prompts; under CI=true 4 (CI time is budgeted), all 8
-again with ``OMNI_SOAK_FULL=1``.
+One pair of default (omni) stacks answers both routes: Generate (text and
+audio) and Speak (spoken from the talker, as a tts deployment would). Each
+comparison sends 8 prompts; under CI=true 4 (CI time is budgeted), all 8
+again with ``OMNI_SOAK_FULL=1``. A tts deployment's engine settings are
+checked on a tts stack of its own.
 """
 
 from __future__ import annotations
@@ -116,39 +119,6 @@ def embed(stack: Stack, text: str) -> decoder_pb2.GenerateResponse:
     return resp
 
 
-@pytest.mark.timeout(900)  # two vLLM stacks, prompts one at a time
-def test_tts_async_equals_sync_and_speak_cli_writes_wav(tmp_path_factory, tmp_path, checkpoint):
-    before = tree_snapshot(checkpoint)
-    stack = start(tmp_path_factory, checkpoint, "tts", sync=False)
-    try:
-        got_async = speak_all(stack)
-        speak_concurrently(stack)  # through the materializer (the sync stack shares the rest)
-        # the Qwen3-Omni stages have no pooling engine: a clear refusal, not a hang
-        with pytest.raises(grpc.RpcError) as err:
-            embed(stack, "an embedding beside speech")
-        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, err.value
-        info = decoder_info(stack)
-        assert info.engine == "vllm"
-        assert info.stages[0].output_path == decoder_pb2.OUTPUT_PATH_ASYNC, info.stages[0].reason
-        assert info.fallback_steps == 0 and info.materializer_connected
-        out = tmp_path / "hello.wav"
-        subprocess.run([sys.executable, "-m", "omni_cli.main", "speak", "Hello there", "-o", str(out), "-q",
-                        "--target", stack.gateway_target], check=True, timeout=300)
-        with wave.open(str(out)) as w:
-            assert (w.getnchannels(), w.getsampwidth(), w.getframerate()) == (1, 2, 24000)
-            assert w.getnframes() > 0
-    finally:
-        assert stack.stop() == []
-    stack = start(tmp_path_factory, checkpoint, "tts", sync=True)
-    try:
-        got_sync = speak_all(stack)
-        assert decoder_info(stack).stages[0].output_path == decoder_pb2.OUTPUT_PATH_SYNC
-    finally:
-        assert stack.stop() == []
-    assert_same_audio(got_async, got_sync)
-    assert tree_snapshot(checkpoint) == before, "serving changed the model directory"
-
-
 def test_engine_settings_reach_the_engine_and_are_reported(tmp_path_factory, checkpoint):
     """`up --engine-set` items reach the talker's engine; GetDecoderInfo and
     /v1/models report the settings as the engine took them; it serves, with
@@ -254,8 +224,12 @@ def engine_processes(stack: Stack) -> dict[str, list[str]]:
 
 
 @pytest.mark.timeout(900)  # two vLLM stacks, prompts one at a time
-def test_omni_text_and_audio_async_equals_sync(tmp_path_factory, checkpoint):
-    results = {}
+def test_omni_stack_async_equals_sync_for_text_audio_and_speech(tmp_path_factory, tmp_path, checkpoint):
+    """The default (omni) deployment, async and sync: the same text and
+    audio for Generate, the same PCM for Speak (spoken from the talker, as a
+    tts deployment does); the model directory untouched."""
+    before = tree_snapshot(checkpoint)
+    texts, speech = {}, {}
     for sync in (False, True):
         stack = start(tmp_path_factory, checkpoint, "omni", sync=sync)
         try:
@@ -277,19 +251,37 @@ def test_omni_text_and_audio_async_equals_sync(tmp_path_factory, checkpoint):
                 one = generate_final(stack, "Hi.", 1, 5.12)
                 assert len(one.text.token_ids) == 1 and audio_bytes(one) == 0
                 assert one.finish_reason == "length", one.finish_reason
-            results[sync] = generate_all(stack)
+                # the Qwen3-Omni stages have no pooling engine: a clear refusal, not a hang
+                with pytest.raises(grpc.RpcError) as err:
+                    embed(stack, "an embedding beside speech")
+                assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, err.value
+                out = tmp_path / "hello.wav"
+                subprocess.run([sys.executable, "-m", "omni_cli.main", "speak", "Hello there", "-o", str(out), "-q",
+                                "--target", stack.gateway_target], check=True, timeout=300)
+                with wave.open(str(out)) as w:
+                    assert (w.getnchannels(), w.getsampwidth(), w.getframerate()) == (1, 2, 24000)
+                    assert w.getnframes() > 0
+            texts[sync] = generate_all(stack)
+            speech[sync] = speak_all(stack)
             if not sync:  # concurrency through the materializer (the sync stack shares the rest)
                 generate_concurrently(stack)
+                speak_concurrently(stack)
             # one process per AR stage engine beside the decoder (and the code2wav
             # worker), and the two engines' forward passes ran at the same time
             procs = engine_processes(stack)
             assert len(procs.get("stage thinker", ())) == 1 and len(procs.get("stage talker", ())) == 1, procs
             assert procs.get("other"), f"no code2wav worker: {procs}"
             assert metric(stack, "omni_decoder_stage_forward_overlap_seconds_total") > 0
-            paths = {s.name: s.output_path for s in decoder_info(stack).stages}
+            info = decoder_info(stack)
+            assert info.engine == "vllm"
+            paths = {s.name: s.output_path for s in info.stages}
             want = decoder_pb2.OUTPUT_PATH_SYNC if sync else decoder_pb2.OUTPUT_PATH_ASYNC
             assert paths["thinker"] == want and paths["talker"] == want, paths
+            if not sync:
+                assert info.fallback_steps == 0 and info.materializer_connected
         finally:
             assert stack.stop() == []
-    assert all(text for text, _ in results[False].values()), "no text produced"
-    assert results[False] == results[True], f"async and sync differ: {results=}"
+    assert all(text for text, _ in texts[False].values()), "no text produced"
+    assert texts[False] == texts[True], f"async and sync differ: {texts=}"
+    assert_same_audio(speech[False], speech[True])
+    assert tree_snapshot(checkpoint) == before, "serving changed the model directory"
