@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import multiprocessing
+import multiprocessing.util
 import os
 import sys
 from collections.abc import Callable
@@ -30,15 +31,25 @@ children (a tensor-parallel engine's workers) to end before it stops them."""
 
 
 def exit_now(code: int = 0) -> NoReturn:
-    """Flush logs and standard streams, reap multiprocessing children (those
-    that outlive the wait are terminated, as the interpreter's own exit
-    would), then end the process with `code`."""
+    """Reap multiprocessing children (those that outlive the wait are
+    terminated, as the interpreter's own exit would), run multiprocessing's
+    finalizers, flush logs and standard streams, then end the process with
+    `code`."""
     children = multiprocessing.active_children()
     for child in children:
         child.join(CHILDREN_WAIT_S / max(len(children), 1))
     for child in multiprocessing.active_children():
         child.terminate()
         child.join(1.0)
+    # multiprocessing's own finalizers (its named semaphores unlinked, its
+    # queues closed), as its exit hook runs them: skipped, the resource
+    # tracker would report the semaphores as leaked
+    run_finalizers = getattr(multiprocessing.util, "_run_finalizers", None)
+    if run_finalizers is not None:
+        try:
+            run_finalizers()
+        except Exception:  # noqa: BLE001 -- on the way out: the tracker cleans up after us
+            pass
     logging.shutdown()
     for stream in (sys.stdout, sys.stderr):
         try:
