@@ -239,6 +239,14 @@ class Pipeline:
         for runner in self.runners.values():
             runner.start()
 
+    def wait_ready(self, timeout_s: float) -> bool:
+        """After start(): whether the code2wav workers built their vocoders
+        within timeout_s (the AR stages are ready once built). Until then a
+        request's first audio would wait for a worker's start."""
+        if isinstance(self.code2wav, Code2WavProcessPool):
+            return self.code2wav.wait_ready(timeout_s)
+        return True
+
     def stop(self) -> None:
         """Stop the stages, deliver what they produced (bounded: a dead
         materializer costs no wait), stop code2wav and the engines, and end the

@@ -43,6 +43,9 @@ SERVICE_NAME = decoder_pb2.DESCRIPTOR.services_by_name["DecoderService"].full_na
 # At shutdown, how long running requests may go on before their streams end
 # with UNAVAILABLE.
 DRAIN_S = 2.0
+# At start, how long the decoder waits for its code2wav workers (their
+# vocoders built) before it serves anyway (their requests' audio then waits).
+CODE2WAV_READY_S = 120.0
 
 
 def shm_prefix_for(deployment: str) -> str:
@@ -290,6 +293,10 @@ def main(argv: list[str] | None = None) -> None:
                 backend.close()
             raise SystemExit(f"decoder: {exc}") from exc
         pipeline.start()
+        # SERVING once the first request can be served at speed: its audio
+        # would otherwise wait for a code2wav worker still starting
+        if not pipeline.wait_ready(CODE2WAV_READY_S):
+            logger.warning("code2wav workers not ready after %.0f s: serving; audio waits for them", CODE2WAV_READY_S)
         config = ServerConfig(address=args.listen, service_name=SERVICE_NAME,
                               reflection_service_names=[SERVICE_NAME])
         health = HealthFromWatchdog(config.health_names, log=logger)
