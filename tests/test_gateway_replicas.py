@@ -254,6 +254,13 @@ class GatewayProc:
         self.close()
 
 
+def both_up(gw: GatewayProc, a: str, b: str) -> None:
+    """Wait for the gateway's first health check of each decoder: it serves
+    once one is up, and a request sent before the other's check passed can
+    only go to the first (what is spread is then not the policy's choice)."""
+    wait_until(lambda: gw.metric("omni_gateway_decoder_up") == {a: 1.0, b: 1.0}, 30, 0.02)
+
+
 # ---------------------------------------------------------------------------
 # (a), (b): spreading.
 
@@ -266,6 +273,7 @@ def test_round_robin_spreads_requests_over_two_decoder_processes(
     before = pair.finished()
     with GatewayProc(["--decoder", f"{a},{b}"], sock_dir) as gw:
         assert health_status(gw.channel) == SERVING
+        both_up(gw, a, b)
         for i in range(8):
             assert speak(gw.stub, f"request number {i}")
         after = pair.finished()
@@ -287,6 +295,7 @@ def test_least_outstanding_sends_new_requests_to_the_idle_decoder(
     a, b = pair.targets
     args = ["--decoder", a, "--decoder", b, "--decoder-balance", BALANCE_LEAST_OUTSTANDING]
     with GatewayProc(args, sock_dir) as gw:
+        both_up(gw, a, b)
         long = gw.stub.Speak(gateway_pb2.SpeakRequest(request_id="long", text=LONG_TEXT))
         try:
             next(long)  # running, and held open (not read further)
