@@ -8,7 +8,9 @@ of ours included): its traceback is logged under an error id and the
 client gets INTERNAL with a generic message naming that id (never UNKNOWN,
 never the exception's text; `omni_common.errors.log_internal`). A request that does not parse never reaches these
 methods (`MalformedRequestInterceptor` answers it with INVALID_ARGUMENT).
-A cancelled call raises `asyncio.CancelledError` through the handler;
+A cancelled call raises `asyncio.CancelledError` through the handler (a
+write that fails because the client went away is one too, and is counted
+CANCELLED, not logged as a bug);
 closing the engine's stream (``aclosing``) sends `Abort` to the decoder.
 """
 
@@ -31,6 +33,7 @@ from gateway.validation import (
     speech_request_from_pb,
 )
 from omni_common.errors import OmniError, grpc_code_for, log_internal, public_message
+from omni_common.server import cancelled_by_client
 from omni_serving.v1 import gateway_pb2, gateway_pb2_grpc, payload_pb2
 
 logger = logging.getLogger(__name__)
@@ -119,6 +122,9 @@ async def _served(context: grpc.aio.ServicerContext, api: str) -> AsyncIterator[
         metrics.REQUESTS.labels(api=api, code="CANCELLED").inc()
         raise
     except Exception as exc:  # noqa: BLE001  a bug: logged with its traceback, INTERNAL
+        if await cancelled_by_client(context, exc):  # a write after the client went away
+            metrics.REQUESTS.labels(api=api, code="CANCELLED").inc()
+            raise asyncio.CancelledError(f"{api}: cancelled by the client") from exc
         await _abort(context, api, exc, bug=True)
     else:
         metrics.REQUESTS.labels(api=api, code="OK").inc()

@@ -93,6 +93,10 @@ _FAST_RECONNECT_MAX_MS = 1000
 # (default 20 s): a hung attempt must not outlast the backoff above by much.
 _FAST_RECONNECT_CONNECT_TIMEOUT_MS = 1000
 
+CANCEL_NOTICE_S = 0.2
+"""How long a handler whose write failed in grpc's core waits for the call's
+cancellation (`cancelled_by_client`); it came within milliseconds in tests."""
+
 HEALTH_METHOD_PREFIX = "/grpc.health.v1.Health/"
 """Methods of the standard health service; left open by `BearerTokenInterceptor`."""
 
@@ -397,6 +401,9 @@ class InternalErrorInterceptor(grpc.aio.ServerInterceptor):
     - a status the servicer already set (``context.set_code``) before raising
       is kept, with its details;
     - an abort (``context.abort``) and a cancellation pass through untouched;
+      so does any error on a call the client has cancelled, as a
+      cancellation (`cancelled_by_client`: a response written after the
+      client went away fails in grpc's core);
     - anything else is a bug: INTERNAL with a message naming an error id,
       under which `log_internal` logs the traceback.
 
@@ -422,11 +429,16 @@ class InternalErrorInterceptor(grpc.aio.ServerInterceptor):
 def _guarded(behavior: Callable[..., Any], method: str) -> Callable[..., Any]:
     """`behavior`, its escaping exceptions turned into a status (`InternalErrorInterceptor`)."""
     if inspect.isasyncgenfunction(behavior):
+        # Served as a handler that writes (grpc takes either kind for a
+        # response stream): a write that fails because the client went away
+        # then fails here, where it is known for a cancellation, and not in
+        # grpc's own loop, which logs it as an error of the servicer.
 
-        async def stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+        async def stream(request: Any, context: grpc.aio.ServicerContext) -> None:
             async with _status_for_errors(context, method):
-                async for item in behavior(request, context):
-                    yield item
+                async with contextlib.aclosing(behavior(request, context)) as items:
+                    async for item in items:
+                        await context.write(item)
 
         return stream
 
@@ -446,7 +458,33 @@ async def _status_for_errors(context: grpc.aio.ServicerContext, method: str) -> 
     except (grpc.aio.AbortError, asyncio.CancelledError):
         raise
     except Exception as exc:  # noqa: BLE001 -- every escaping error gets a status
+        if await cancelled_by_client(context, exc):
+            raise asyncio.CancelledError(f"{method}: cancelled by the client") from exc
         await _abort_for(exc, context, method)
+
+
+async def cancelled_by_client(context: grpc.aio.ServicerContext, exc: BaseException) -> bool:
+    """Whether `exc`, escaping a handler, is the client's departure and not a bug.
+
+    A response written after the client went away (it cancelled, its
+    deadline passed, its connection closed) fails with an error of grpc's
+    core (``ExecuteBatchError``), and the call's cancellation reaches the
+    handler only afterwards. For an exception of grpc's own this waits for
+    it, up to `CANCEL_NOTICE_S`: True if the call was cancelled (the caller
+    ends it as cancelled: grpc sends no status on a cancelled call). Any
+    other exception is answered at once (False, unless already cancelled).
+    """
+    if context.cancelled():
+        return True
+    if not type(exc).__module__.startswith("grpc"):
+        return False
+    deadline = time.monotonic() + CANCEL_NOTICE_S
+    try:
+        while not context.cancelled() and time.monotonic() < deadline:
+            await asyncio.sleep(0.005)
+    except asyncio.CancelledError:  # the cancellation itself: the caller raises one again
+        return True
+    return context.cancelled()
 
 
 async def _abort_for(exc: Exception, context: grpc.aio.ServicerContext, method: str) -> None:

@@ -8,13 +8,19 @@ exception must reach the client as INTERNAL with an error id and none of
 its text (the log has the id with the traceback), also after some messages
 were streamed; an `OmniError` keeps its code and message; a status set with
 ``context.set_code`` before raising is kept; an abort passes through; a
-method that returns normally is untouched; health still answers.
+method that returns normally is untouched; health still answers. A client
+that stops reading a stream and cancels it, while the server's write waits
+(an async generator, and a coroutine that writes), ends the call as a
+cancellation: the servicer's stream is closed, and nothing is logged as an
+error (grpc's core fails the waiting write; that is not a bug).
 """
 
 from __future__ import annotations
 
 import logging
 import re
+import threading
+import time
 
 import grpc
 import pytest
@@ -59,6 +65,27 @@ async def writes(request: bytes, context) -> None:
     raise TypeError(SECRET)
 
 
+FLOOD_CHUNK = b"x" * (1 << 20)
+flood_closed: dict[str, threading.Event] = {}
+
+
+async def flood(request: bytes, context):
+    """Writes until the call ends (1 MiB messages: the transport's windows fill at once)."""
+    try:
+        while True:
+            yield FLOOD_CHUNK
+    finally:
+        flood_closed[request.decode()].set()
+
+
+async def flood_writes(request: bytes, context) -> None:
+    try:
+        while True:
+            await context.write(FLOOD_CHUNK)
+    finally:
+        flood_closed[request.decode()].set()
+
+
 async def client_stream(requests, context) -> bytes:
     async for _ in requests:
         pass
@@ -78,6 +105,8 @@ def target(tmp_path_factory):
         "Unary": grpc.unary_unary_rpc_method_handler(unary),
         "Stream": grpc.unary_stream_rpc_method_handler(stream),
         "Writes": grpc.unary_stream_rpc_method_handler(writes),
+        "Flood": grpc.unary_stream_rpc_method_handler(flood),
+        "FloodWrites": grpc.unary_stream_rpc_method_handler(flood_writes),
         "ClientStream": grpc.stream_unary_rpc_method_handler(client_stream),
         "Bidi": grpc.stream_stream_rpc_method_handler(bidi),
     }
@@ -168,3 +197,20 @@ def test_health_still_answers(target):
     with grpc.insecure_channel(target) as ch:
         resp = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=""), timeout=5)
     assert resp.status == health_pb2.HealthCheckResponse.SERVING, resp
+
+
+@pytest.mark.parametrize("method", ["Flood", "FloodWrites"])
+def test_a_client_that_cancels_while_a_write_waits_is_a_cancellation(target, caplog, method):
+    caplog.set_level(logging.DEBUG)
+    flood_closed[method] = closed = threading.Event()
+    with grpc.insecure_channel(target) as ch:
+        call = ch.unary_stream(f"/test.Boom/{method}")(method.encode(), timeout=30)
+        assert next(call) == FLOOD_CHUNK
+        time.sleep(0.5)  # not read further: the server's writes wait on the transport
+        assert not closed.is_set(), "the stream ended before the client cancelled"
+        call.cancel()
+        assert closed.wait(5), "the servicer's stream was not closed"
+        assert call.code() == grpc.StatusCode.CANCELLED
+    time.sleep(0.2)  # what the server logs after the stream closed
+    errors = [r for r in caplog.records if r.levelno >= logging.WARNING]
+    assert not errors, [f"{r.name}: {r.getMessage()}" for r in errors]

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 import wave
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,6 +21,7 @@ import pytest
 import torch
 from fakes import FakeDecoder, FakeDecoderConfig, GatewayThread
 from fakes.fake_decoder import audio_payload, fake_audio
+from prometheus_client import REGISTRY
 
 from gateway.audio import pcm16le
 from gateway.decoder_client import DecoderClient, decoder_error
@@ -202,6 +204,39 @@ def test_cancel_mid_stream_aborts_decoder_request(sock_dir: Path) -> None:
         )
         assert fake.wait_for(lambda: "cancel-me" not in fake.state.active), "still active"
         assert gw.loop.run(_active_streams(gw)) == 0
+
+
+def test_a_client_that_cancels_while_the_gateway_waits_to_write_is_cancelled_not_an_error(
+    sock_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The client stops reading; the transports' windows fill and the gateway's
+    write waits; then the client cancels. grpc's core fails that write before the
+    call's cancellation reaches the handler: counted CANCELLED, nothing logged
+    as an error, the decoder request aborted."""
+    caplog.set_level(logging.WARNING)
+    config = FakeDecoderConfig(num_chunks=400, chunk_samples=96_000)  # 192 kB a chunk, 77 MB
+    counted = ("omni_gateway_requests_total", {"api": "Speak", "code": "CANCELLED"})
+    before = REGISTRY.get_sample_value(*counted) or 0.0
+    with (
+        FakeDecoder(sock_dir / "d.sock", config) as fake,
+        GatewayThread(fake.target, sock_dir) as gw,
+    ):
+        call = gw.stub.Speak(gateway_pb2.SpeakRequest(request_id="unread", text="long"))
+        next(iter(call))
+        # not read further: the decoder's whole answer would take 77 MB of buffers
+        assert fake.wait_for(lambda: len(fake.state.requests) == 1)
+        time.sleep(1.0)
+        assert "unread" in fake.state.active, "the answer was buffered whole: nothing waits"
+        call.cancel()
+        assert fake.wait_for(lambda: "unread" not in fake.state.active), "still active"
+        assert fake.wait_for(lambda: (REGISTRY.get_sample_value(*counted) or 0.0) == before + 1)
+    # (the fake decoder is not our server: what grpc logs of it is left out)
+    errors = [
+        r
+        for r in caplog.records
+        if r.levelno >= logging.WARNING and "DecoderService" not in r.getMessage()
+    ]
+    assert not errors, [f"{r.name}: {r.getMessage()}" for r in errors]
 
 
 async def _active_streams(gw: GatewayThread) -> int:
