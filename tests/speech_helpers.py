@@ -20,12 +20,17 @@ from omni_serving.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 
 
 def speak_chunks(
-    target: str, text: str, seed: int, request_id: str = "", voice: str = ""
+    target: str,
+    text: str,
+    seed: int,
+    request_id: str = "",
+    voice: str = "",
+    max_audio_seconds: float = 0.0,
 ) -> list[gateway_pb2.SpeakResponse]:
     with grpc.insecure_channel(target) as channel:
         stub = gateway_pb2_grpc.OmniGatewayServiceStub(channel)
         req = gateway_pb2.SpeakRequest(
-            request_id=request_id, text=text, voice=voice, sampling_params=common_pb2.SamplingParams(seed=seed)
+            request_id=request_id, text=text, voice=voice, sampling_params=common_pb2.SamplingParams(seed=seed, max_audio_seconds=max_audio_seconds),
         )
         return list(stub.Speak(req, timeout=120))
 

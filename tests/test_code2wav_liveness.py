@@ -243,7 +243,7 @@ def test_a_stopped_code2wav_worker_of_a_serving_decoder_is_killed_and_restarted(
         watch = HealthWatch(dec.target)
         wait_for(lambda: watch.statuses[:1] == ["SERVING"], 10, "the health Watch's first status")
         # long requests (thousands of frames): in flight until their worker decodes them all
-        calls = batch(dec.target, "s", 2, 6000, max_audio_seconds=300.0)
+        calls = batch(dec.target, "s", 2, 6000, max_audio_seconds=300.0, slow=True)
         wait_for(lambda: any(c.pieces for c in calls) or any(c.thread and not c.thread.is_alive() for c in calls),
                  60, "no audio came")
         os.kill(old_pid, signal.SIGSTOP)

@@ -8,6 +8,7 @@ import time
 import grpc
 import pytest
 
+from decoder_svc.testing.fake_engine import FAKE_SLOW_MARKER
 from omni_common.shm_arena import list_segments
 from omni_serving.v1 import decoder_pb2, decoder_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 from omni_stack.config import StackConfig
@@ -78,7 +79,7 @@ def test_cancel_mid_stream_frees_the_request_in_the_decoder(stack):
     before = _decoder_info(stack).aborted_requests
     with grpc.insecure_channel(stack.gateway_target) as ch:
         stub = gateway_pb2_grpc.OmniGatewayServiceStub(ch)
-        long_text = "a long text to speak " * 40
+        long_text = FAKE_SLOW_MARKER + "a long text to speak " * 40  # about 4 s: still running
         call = stub.Speak(gateway_pb2.SpeakRequest(text=long_text, request_id="cancel-me"))
         first = next(call)
         assert first.request_id == "cancel-me" and first.sequence_number == 0

@@ -30,7 +30,7 @@ from decoder_svc.code2wav.chunking import SAMPLES_PER_FRAME, chunk_boundaries
 from decoder_svc.code2wav.pool import Code2WavProcessPool
 from decoder_svc.code2wav.thread import Code2WavWorker
 from decoder_svc.profile import PROFILE_DIR, StageConfig, load_profile
-from decoder_svc.testing.fake_engine import FAKE_LOOP_MARKER, FakeVocoderFactory
+from decoder_svc.testing.fake_engine import FAKE_LOOP_MARKER, FAKE_SLOW_MARKER, FakeVocoderFactory
 from omni_common.errors import InvalidArgumentError
 from omni_serving.v1 import common_pb2, decoder_pb2, decoder_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 
@@ -184,7 +184,11 @@ def test_a_request_under_load_gets_a_smaller_first_chunk_and_its_own_choice_wins
         assert all(c.metrics.first_chunk_frames == 3 for c in alone)
 
         # Two requests that do not end by themselves hold the load at 2 ...
-        holders = [speak(stub, f"hold {k} {FAKE_LOOP_MARKER}", max_audio_seconds=120) for k in range(2)]
+        # (slowed: at full speed the fake spoke their 1,500 frames in about 0.6 s)
+        holders = [
+            speak(stub, f"hold {k} {FAKE_LOOP_MARKER}{FAKE_SLOW_MARKER}", max_audio_seconds=120)
+            for k in range(2)
+        ]
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             firsts = list(pool.map(next, holders))
         assert [c.metrics.first_chunk_frames for c in firsts] == [3, 3]

@@ -45,6 +45,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client import REGISTRY
 from prometheus_client.parser import text_string_to_metric_families
 
+from decoder_svc.testing.fake_engine import FAKE_SLOW_MARKER
 from gateway.engine import GatewayEngine
 from gateway.replicas import (
     BALANCE_LEAST_OUTSTANDING,
@@ -56,12 +57,21 @@ from gateway.validation import SpeechRequest
 from omni_common import shm_arena
 from omni_common.errors import InvalidArgumentError
 from omni_common.server import wait_for_health_sync
-from omni_serving.v1 import decoder_pb2, decoder_pb2_grpc, gateway_pb2, gateway_pb2_grpc
+from omni_serving.v1 import common_pb2, decoder_pb2, decoder_pb2_grpc, gateway_pb2, gateway_pb2_grpc
 
 REPO = Path(__file__).resolve().parents[1]
 SERVING = health_pb2.HealthCheckResponse.SERVING
 NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
-LONG_TEXT = "a long request that keeps its decoder busy " * 90  # ~3,900 characters
+LONG_TEXT = FAKE_SLOW_MARKER + "a long request that keeps its decoder busy " * 90
+LONG_AUDIO_S = 300.0  # the deployment's maximum: 3,750 frames
+"""A long request is held in flight for about 19 s, read or not (the fake
+talker's steps slowed to FAKE_SLOW_STEP_S): at full speed the fake spoke it,
+and the transports buffered its audio, in 0.3 s."""
+
+
+def long_request(request_id: str) -> gateway_pb2.SpeakRequest:
+    sampling = common_pb2.SamplingParams(max_audio_seconds=LONG_AUDIO_S)
+    return gateway_pb2.SpeakRequest(request_id=request_id, text=LONG_TEXT, sampling_params=sampling)
 
 
 def wait_until(predicate: Callable[[], bool], timeout_s: float, step_s: float = 0.02) -> float:
@@ -228,8 +238,8 @@ class GatewayProc:
         assert ready, "the gateway did not report that it listens"
         return stdout.readline().decode()
 
-    def metric(self, name: str) -> dict[str, float]:
-        """One per-decoder metric from /metrics: {decoder label: value}."""
+    def metric(self, name: str, label: str = "decoder") -> dict[str, float]:
+        """One metric from /metrics by one label: {label's value: value} (per decoder by default)."""
         conn = http.client.HTTPConnection("127.0.0.1", self.http_port, timeout=5)
         try:
             conn.request("GET", "/metrics")
@@ -240,7 +250,7 @@ class GatewayProc:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
                 if sample.name == name:
-                    out[sample.labels["decoder"]] = sample.value
+                    out[sample.labels[label]] = sample.value
         return out
 
     def close(self) -> None:
@@ -296,7 +306,7 @@ def test_least_outstanding_sends_new_requests_to_the_idle_decoder(
     args = ["--decoder", a, "--decoder", b, "--decoder-balance", BALANCE_LEAST_OUTSTANDING]
     with GatewayProc(args, sock_dir) as gw:
         both_up(gw, a, b)
-        long = gw.stub.Speak(gateway_pb2.SpeakRequest(request_id="long", text=LONG_TEXT))
+        long = gw.stub.Speak(long_request("long"))
         try:
             next(long)  # running, and held open (not read further)
             in_flight = gw.metric("omni_gateway_decoder_in_flight")
@@ -306,8 +316,17 @@ def test_least_outstanding_sends_new_requests_to_the_idle_decoder(
                 assert speak(gw.stub, f"short {i}")
             # Round-robin would have sent two of the four to the busy decoder.
             assert gw.metric("omni_gateway_decoder_requests_total") == {busy: 1.0, idle: 4.0}
+            assert gw.metric("omni_gateway_decoder_in_flight") == {busy: 1.0, idle: 0.0}
         finally:
             long.cancel()
+        # Its client went away while the gateway's write waited (the stream was not
+        # read): a cancellation, not an error of the gateway.
+        wait_until(
+            lambda: (
+                gw.metric("omni_gateway_requests_total", "code") == {"OK": 4.0, "CANCELLED": 1.0}
+            ),
+            5,
+        )
 
 
 # ---------------------------------------------------------------------------
@@ -329,12 +348,8 @@ def test_sigkill_one_decoder_fails_its_streams_fast_and_the_other_takes_over(
 ) -> None:
     a, b = pair.targets
     with GatewayProc(["--decoder", f"{a},{b}"], sock_dir) as gw:
-        streams = {
-            f"long{i}": gw.stub.Speak(
-                gateway_pb2.SpeakRequest(request_id=f"long{i}", text=LONG_TEXT)
-            )
-            for i in range(4)
-        }
+        both_up(gw, a, b)
+        streams = {f"long{i}": gw.stub.Speak(long_request(f"long{i}")) for i in range(4)}
         for stream in streams.values():
             next(stream)  # all four running
         assert gw.metric("omni_gateway_decoder_in_flight") == {a: 2.0, b: 2.0}

@@ -35,7 +35,7 @@ from omni_stack.errors import ConfigError, StackError
 from omni_stack.running import find_running_stack, run_restart_materializer
 from omni_stack.stack import Stack
 from tests.speech_helpers import check_chunks, speak_chunks
-from tests.test_up import Up, _alive, check_stopped
+from tests.test_up import Up, _alive, _samples, check_stopped
 
 MODULES = {"materializer_svc": "materializer", "decoder_svc": "decoder", "gateway": "gateway"}
 
@@ -139,6 +139,12 @@ def test_two_replicas_both_receive_requests(stack2):
     ]
     gateway = stack2.service("gateway")
     assert gateway.argv.count("--decoder") == 2, gateway.argv
+    # The gateway serves once one decoder is up; until its first check of the
+    # other passed, every request goes to the first.
+    deadline = time.monotonic() + 30
+    while _samples(f"{stack2.http_url}/metrics").get("omni_gateway_decoder_up") != 2.0:
+        assert time.monotonic() < deadline, "the gateway never saw both decoders up"
+        time.sleep(0.05)
     with Load(stack2.gateway_target, clients=4, words=4) as load:
         load.wait_for(20)
     done = load.snapshot()

@@ -40,7 +40,7 @@ import pytest
 from decoder_svc.backend import RequestSpec
 from decoder_svc.pipeline import Pipeline
 from decoder_svc.profile import load_profile
-from decoder_svc.testing.fake_engine import FakeBackend, fake_vocoder
+from decoder_svc.testing.fake_engine import FAKE_SLOW_MARKER, FakeBackend, fake_vocoder
 from gateway.audio import pcm16le
 from materializer_svc.reference import ReferenceMaterializer
 from materializer_svc.registry import MaterializerConfig
@@ -197,9 +197,12 @@ def services(tmp: Path, name: str):
 # -- requests ----------------------------------------------------------------------------
 
 
-def prompt_for(i: int, frames: int) -> str:
-    """A prompt whose request runs `frames` steps (the fake talker: 4 + 2 per byte)."""
-    return f"request {i:03d} " + "x" * max(0, (frames - 4) // 2 - 12)
+def prompt_for(i: int, frames: int, slow: bool = False) -> str:
+    """A prompt whose request runs `frames` steps (the fake talker: 4 + 2 per byte);
+    `slow`: each of its steps takes at least FAKE_SLOW_STEP_S, so that it is surely
+    still running seconds later (the fake runs a step in well under a millisecond)."""
+    marker = FAKE_SLOW_MARKER if slow else ""
+    return marker + f"request {i:03d} " + "x" * max(0, (frames - 4) // 2 - 12 - len(marker))
 
 
 @dataclass
@@ -292,9 +295,11 @@ def reference_digests(calls) -> dict[str, str]:
     return {rid: digest(pcm16le(p)) for rid, p in pieces.items()}
 
 
-def batch(target: str, tag: str, n: int, frames: int, max_audio_seconds: float = 0.0) -> list[Call]:
+def batch(
+    target: str, tag: str, n: int, frames: int, max_audio_seconds: float = 0.0, slow: bool = False
+) -> list[Call]:
     return [
-        Call(target, f"{tag}-{i}", prompt_for(i, frames), 7 * i + 1, max_audio_seconds).start()
+        Call(target, f"{tag}-{i}", prompt_for(i, frames, slow), 7 * i + 1, max_audio_seconds).start()
         for i in range(n)
     ]
 
@@ -499,8 +504,9 @@ def test_sigterm_with_dead_materializer_exits_promptly(tmp_path):
 @pytest.mark.e2e
 def test_sigterm_while_clients_stream_ends_them_with_unavailable(tmp_path):
     with services(tmp_path, "termbusy") as (mat, dec):
-        # far longer than the test: the fake's longest (300 s = 3,750 frames) of 15,000
-        calls = batch(dec.target, "s", 3, 15_000, max_audio_seconds=300)
+        # far longer than the test: the fake's longest (300 s = 3,750 frames) of
+        # 15,000, slowed (about 19 s: at full speed the fake spoke them within the drain)
+        calls = batch(dec.target, "s", 3, 15_000, max_audio_seconds=300, slow=True)
         wait_for(lambda: dec.steps() > 50, 30, "decoding started")
         mat.signal(signal.SIGKILL)  # also with the materializer dead, mid-step
         t0 = time.monotonic()

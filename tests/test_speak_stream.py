@@ -34,6 +34,7 @@ import grpc
 import pytest
 from fakes import FakeDecoder, FakeDecoderConfig, GatewayThread, short_socket_dir
 
+from decoder_svc.testing.fake_engine import FAKE_SLOW_MARKER
 from gateway.speak_stream import Segmenter
 from omni_common import shm_arena
 from omni_common.server import wait_for_health_sync
@@ -60,9 +61,10 @@ PARAGRAPH = (
     "the whole answer. Mr. Smith paid 3.14 dollars, e.g. for a cup of tea! Does it really "
     "work? It does, and the last words arrive long after the first audio."
 )
-# Three sentences of about 190 characters: each is one segment of a few hundred
-# decoder steps, long enough to be interrupted in the middle.
-LONG_SENTENCE = (
+# Three sentences of about 200 characters: each is one segment of a few hundred
+# decoder steps, slowed (FAKE_SLOW_MARKER: about 2 s each), so that a segment is
+# still running when a cancel sent at its first audio arrives.
+LONG_SENTENCE = FAKE_SLOW_MARKER + (
     "This sentence is long on purpose because the barge-in test needs a segment that is "
     "still being spoken when the cancel arrives at the gateway and the decoder request is "
     "aborted at once. "

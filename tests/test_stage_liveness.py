@@ -368,7 +368,7 @@ def test_a_stopped_stage_process_of_a_serving_decoder_ends_its_calls_unavailable
         assert _health(dec.target, "") == "SERVING", "the decoder is not ready"
         talker = _stage_pid(dec.proc.pid, "talker")
         assert talker is not None, "no talker stage process under the decoder"
-        calls = batch(dec.target, "s", 4, 2000)
+        calls = batch(dec.target, "s", 4, 2000, slow=True)  # still running seconds later
         wait_for(lambda: dec.steps() > 5, 60, "the talker took no steps")
         os.kill(talker, signal.SIGSTOP)
         # both of the stopped process's loops stall with it (its decode loop,

@@ -46,7 +46,7 @@ def test_a_stage_process_fallback_and_switches_reach_the_decoders_metrics(tmp_pa
         )
 
         # the materializer dies under load: the talker builds in-process
-        calls = batch(dec.target, "m", 3, 2000)
+        calls = batch(dec.target, "m", 3, 2000, slow=True)  # steps left once the materializer dies
         wait_for(lambda: dec.steps() > 20, 60, "the talker took no steps")
         mat.signal(signal.SIGKILL)
         mat.proc.wait(10)

@@ -27,6 +27,7 @@ import grpc
 import psutil
 import pytest
 
+from decoder_svc.testing.fake_engine import FAKE_SLOW_MARKER
 from omni_stack.config import StackConfig
 from omni_stack.stack import Stack
 from tests.speech_helpers import check_chunks, speak_chunks
@@ -97,14 +98,19 @@ def speak_until_served(up, timeout_s: float, text: str = "back again") -> float:
     pytest.fail(f"no Speak served within {timeout_s}s (last: {last}):\n{up.errors()[-3000:]}")
 
 
-def in_flight_speak(up, repeat: int = 150) -> tuple[threading.Thread, list[object]]:
+def in_flight_speak(
+    up, repeat: int = 150, max_audio_seconds: float = 0.0
+) -> tuple[threading.Thread, list[object]]:
     """A Speak of a few seconds, running once this returns: (its thread, [its outcome])
-    where the outcome is the number of chunks (PCM checked) or the gRPC status code."""
+    where the outcome is the number of chunks (PCM checked) or the gRPC status code.
+    Its text slows the fake talker's steps (FAKE_SLOW_MARKER): 750 frames, the
+    default cap, take about 4 s (at full speed the fake spoke them in 0.3 s)."""
     outcome: list[object] = []
 
     def run() -> None:
         try:
-            chunks = speak_chunks(up.endpoints["gateway gRPC"], "many words " * repeat, 9)
+            text = FAKE_SLOW_MARKER + "many words " * repeat
+            chunks = speak_chunks(up.endpoints["gateway gRPC"], text, 9, max_audio_seconds=max_audio_seconds)
             outcome.append(len(chunks) if check_chunks(chunks) else 0)
         except grpc.RpcError as exc:
             outcome.append(exc.code())
@@ -275,8 +281,8 @@ def test_sigterm_stops_everything_in_time(up_factory, state):
         else:  # SIGTERM while the new decoder is importing, before it is healthy
             wait_for_log(up, "restarting decoder (pid")
             assert "decoder is serving again" not in up.errors()
-    else:  # ~4000 bytes of text: a stream much longer than the stop timeout
-        stream, stream_result = in_flight_speak(up, repeat=360)
+    else:  # ~4000 bytes of text, 300 s of audio slowed: a stream much longer than the stop timeout
+        stream, stream_result = in_flight_speak(up, repeat=360, max_audio_seconds=300)
 
     stopping = time.monotonic()
     rc = up.stop("SIGTERM", timeout_s=STOP_TIMEOUT_S + EXIT_MARGIN_S + 30)

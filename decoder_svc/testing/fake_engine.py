@@ -28,13 +28,18 @@ max_tokens / max_audio_seconds) cuts it with "length". A thinker writes
 Test only: a prompt containing ``FAKE_LOOP_MARKER`` makes the talker run
 away like a model that never emits its end token: after 8 frames it repeats a
 3-frame cycle of codes for ever (until its cap, or the pipeline's runaway
-guard ends it). A thinker puts a request's instructions in its prompt
+guard ends it). A prompt containing ``FAKE_SLOW_MARKER`` makes the talker a
+slow model: every step that runs such a request takes at least
+``FAKE_SLOW_STEP_S`` (the whole batch waits, as it would on a busy model), so
+a test can hold a request in flight for seconds whether its client reads or
+not. A thinker puts a request's instructions in its prompt
 (``instructions + "\n" + prompt``, byte tokens), as a system turn would.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -52,6 +57,10 @@ _M2 = 0x14057B7EF767814F
 _MASK62 = (1 << 62) - 1
 FAKE_LOOP_MARKER = "<|fake-loop|>"
 """Test only: a prompt with this text makes the fake talker loop (see the module docstring)."""
+FAKE_SLOW_MARKER = "<|fake-slow|>"
+"""Test only: a prompt with this text makes the fake talker's steps slow (see the module docstring)."""
+FAKE_SLOW_STEP_S = 0.005
+"""Seconds a step that runs a slow request takes at least: 200 frames a second at most."""
 _LOOP_HEAD, _LOOP_PERIOD = 8, 3
 _ENDLESS = 1 << 40
 
@@ -74,6 +83,7 @@ class _Req:
     prefilled: bool = False
     natural: int = 0  # where it would stop by itself ("stop"); beyond target_frames: "length"
     loops: bool = False
+    slow: bool = False
 
 
 def tokenize(text: str) -> list[int]:
@@ -134,7 +144,7 @@ class FakeBackend:
     # -- request management (any thread) ---------------------------------------
     def add_request(self, spec: RequestSpec) -> None:
         cond = spec.conditioning.get("thinker_token_ids")
-        loops = False
+        loops = slow = False
         if cond is not None:
             ids = [int(x) for x in cond.reshape(-1).tolist()]
         elif self.role == "thinker":
@@ -145,10 +155,11 @@ class FakeBackend:
             n = 8 + len(ids) // 2
         else:
             loops = FAKE_LOOP_MARKER in spec.prompt
+            slow = FAKE_SLOW_MARKER in spec.prompt
             n = _ENDLESS if loops else frames_for(ids, 0)
         target = min(n, spec.max_tokens) if spec.max_tokens > 0 else n
         with self._lock:
-            self._waiting.append(_Req(spec, ids, target, natural=n, loops=loops))
+            self._waiting.append(_Req(spec, ids, target, natural=n, loops=loops, slow=slow))
 
     def abort(self, request_id: str) -> bool:
         with self._lock:
@@ -186,6 +197,8 @@ class FakeBackend:
         if self._work is not None:
             with BUSY.forward(self.role):
                 torch.mm(self._work, self._work)
+        if any(r.slow for r in batch):  # test only: a slow model
+            time.sleep(FAKE_SLOW_STEP_S)
         # 1) schedule: prefill rows for new requests, one row for the others
         num_sched = [1 if r.prefilled else len(r.prompt_ids) or 1 for r in batch]
         qsl = torch.zeros(len(batch) + 1, dtype=torch.int32)
