@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import os
 
 import pytest
 import yaml
@@ -73,7 +74,7 @@ def test_fallback_stage_still_serves_same_audio(tmp_path, change):
     raw["stages"][0].update(change)
     path = tmp_path / "p.yaml"
     path.write_text(yaml.safe_dump(raw))
-    with ShmArena("omni-pipetest", 4, 1 << 20) as arena:
+    with ShmArena(f"omni-guardtest{os.getpid()}", 4, 1 << 20) as arena:
         got, pipeline = run_batch(str(path), n=4, materializer_target=None, arena=arena, in_process_builder=True)
     assert not pipeline.decision.use_async, pipeline.decision
     assert got == base

@@ -4,6 +4,7 @@ failures of the materializer cost no request."""
 from __future__ import annotations
 
 import asyncio
+import os
 import threading
 import time
 
@@ -23,6 +24,8 @@ from omni_common.server import ServerConfig, build_server
 from omni_common.shm_arena import ShmArena, list_segments
 from omni_serving.v1 import materializer_pb2_grpc
 from tests.speech_helpers import digest
+
+PREFIX = f"omni-pipetest{os.getpid()}"  # per process: xdist workers must not share arenas
 
 
 class Collector:
@@ -59,7 +62,7 @@ def backends(profile):
 
 def run_batch(profile_name: str, *, n: int = 8, modality: str = "audio", **kw) -> tuple[dict, Pipeline]:
     profile = load_profile(profile_name)
-    pipeline = Pipeline(profile, backends(profile), vocoder=fake_vocoder(profile), shm_prefix="omni-pipetest", **kw)
+    pipeline = Pipeline(profile, backends(profile), vocoder=fake_vocoder(profile), shm_prefix=PREFIX, **kw)
     pipeline.start()
     col = Collector()
     try:
@@ -80,7 +83,7 @@ def run_batch(profile_name: str, *, n: int = 8, modality: str = "audio", **kw) -
 def test_async_in_process_builder_equals_sync(profile, modality):
     sync, p_sync = run_batch(profile, modality=modality, materializer_target=None, arena=None)
     assert not any(d.use_async for d in p_sync.decisions.values())
-    with ShmArena("omni-pipetest", 8, 1 << 20) as arena:
+    with ShmArena(PREFIX, 8, 1 << 20) as arena:
         asyn, p_async = run_batch(profile, modality=modality, materializer_target=None, arena=arena,
                                   in_process_builder=True)
     assert all(d.use_async for d in p_async.decisions.values())
@@ -145,11 +148,11 @@ def test_slow_materializer_backpressure_not_unbounded(tmp_path):
     waiting for slots most of the time is dropped, see test_link_faults.py.)"""
     sync, _ = run_batch("tts", materializer_target=None, arena=None)
     slots = 4
-    with ServerThread(f"unix://{tmp_path}/m.sock", SlowFakeMaterializer(MaterializerConfig(shm_prefix="omni-pipetest"))) as srv, \
-            ShmArena("omni-pipetest", slots, 1 << 20) as arena:
+    with ServerThread(f"unix://{tmp_path}/m.sock", SlowFakeMaterializer(MaterializerConfig(shm_prefix=PREFIX))) as srv, \
+            ShmArena(PREFIX, slots, 1 << 20) as arena:
         profile = load_profile("tts")
         pipeline = Pipeline(profile, backends(profile), vocoder=fake_vocoder(profile), materializer_target=srv.target,
-                            shm_prefix="omni-pipetest", arena=arena, stall_timeout_s=30.0)
+                            shm_prefix=PREFIX, arena=arena, stall_timeout_s=30.0)
         pipeline.start()
         col = Collector()
         for i in range(8):
@@ -192,13 +195,13 @@ class FailingFakeMaterializer(ReferenceMaterializer):
 
 def test_materializer_errors_and_death_cost_no_request(tmp_path):
     sync, _ = run_batch("tts", materializer_target=None, arena=None)
-    with ServerThread(f"unix://{tmp_path}/m.sock", FailingFakeMaterializer(MaterializerConfig(shm_prefix="omni-pipetest"))) as srv, \
-            ShmArena("omni-pipetest", 8, 1 << 20) as arena:
+    with ServerThread(f"unix://{tmp_path}/m.sock", FailingFakeMaterializer(MaterializerConfig(shm_prefix=PREFIX))) as srv, \
+            ShmArena(PREFIX, 8, 1 << 20) as arena:
         got, pipeline = run_batch("tts", materializer_target=srv.target, arena=arena)
         assert pipeline.link.fallback_steps > 0
         assert arena.in_use == 0, "slots leaked after failover"
     assert got == sync
-    assert list_segments("omni-pipetest") == []
+    assert list_segments(PREFIX) == []
 
 
 class StallingFakeMaterializer(ReferenceMaterializer):
@@ -213,8 +216,8 @@ class StallingFakeMaterializer(ReferenceMaterializer):
 
 def test_stalled_materializer_costs_no_request(tmp_path):
     sync, _ = run_batch("tts", materializer_target=None, arena=None)
-    with ServerThread(f"unix://{tmp_path}/m.sock", StallingFakeMaterializer(MaterializerConfig(shm_prefix="omni-pipetest"))) as srv, \
-            ShmArena("omni-pipetest", 8, 1 << 20) as arena:
+    with ServerThread(f"unix://{tmp_path}/m.sock", StallingFakeMaterializer(MaterializerConfig(shm_prefix=PREFIX))) as srv, \
+            ShmArena(PREFIX, 8, 1 << 20) as arena:
         got, pipeline = run_batch("tts", materializer_target=srv.target, arena=arena, stall_timeout_s=1.0)
         assert pipeline.link.fallback_by_reason["stall"] > 0, pipeline.link.fallback_by_reason
         assert arena.in_use == 0, "slots leaked after a stall"
@@ -235,7 +238,7 @@ class FlakyFakeBackend(FakeBackend):
 
 def test_a_failing_step_fails_its_requests_and_the_stage_keeps_serving():
     profile = load_profile("tts")
-    pipeline = Pipeline(profile, {"talker": FlakyFakeBackend()}, vocoder=fake_vocoder(profile), materializer_target=None, shm_prefix="omni-pipetest", arena=None)
+    pipeline = Pipeline(profile, {"talker": FlakyFakeBackend()}, vocoder=fake_vocoder(profile), materializer_target=None, shm_prefix=PREFIX, arena=None)
     pipeline.start()
     errors: list[object] = []
     done = threading.Event()

@@ -30,7 +30,7 @@ from omni_common.shm_arena import list_segments
 from tests.fakes.stage_backends import REFUSED_MARKER, TALKER_REFUSES_MARKER
 from tests.test_pipeline import Collector, ServerThread, run_batch
 
-PREFIX = "omni-stagetest"
+PREFIX = f"omni-stagetest{os.getpid()}"  # per process: two runs (or xdist workers) at once must not share arenas
 
 
 def start(profile_name: str, *, materializer_target: str | None = None, in_process_builder: bool = False,
