@@ -472,12 +472,13 @@ async def cancelled_by_client(context: grpc.aio.ServicerContext, exc: BaseExcept
     handler only afterwards. For an exception of grpc's own this waits for
     it, up to `CANCEL_NOTICE_S`: True if the call was cancelled (the caller
     ends it as cancelled: grpc sends no status on a cancelled call). Any
-    other exception is answered at once (False, unless already cancelled).
+    other exception, a failed call of ours to another server (`grpc.RpcError`)
+    included, is answered at once (False, unless already cancelled).
     """
     if context.cancelled():
         return True
-    if not type(exc).__module__.startswith("grpc"):
-        return False
+    if isinstance(exc, grpc.RpcError) or not type(exc).__module__.startswith("grpc"):
+        return False  # (an RpcError: a call of ours to another server failed)
     deadline = time.monotonic() + CANCEL_NOTICE_S
     try:
         while not context.cancelled() and time.monotonic() < deadline:
