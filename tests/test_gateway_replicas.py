@@ -319,8 +319,8 @@ def test_least_outstanding_sends_new_requests_to_the_idle_decoder(
             assert gw.metric("omni_gateway_decoder_in_flight") == {busy: 1.0, idle: 0.0}
         finally:
             long.cancel()
-        # Its client went away while the gateway's write waited (the stream was not
-        # read): a cancellation, not an error of the gateway.
+        # The long request's client cancelled it: counted CANCELLED, not as an error
+        # (a cancel while the gateway's write waits: tests/test_gateway_service.py).
         wait_until(
             lambda: (
                 gw.metric("omni_gateway_requests_total", "code") == {"OK": 4.0, "CANCELLED": 1.0}
