@@ -37,10 +37,14 @@ class RequestSpec:
     # Style instructions for the model's prompt (a system turn); only where
     # the deployment takes them (DeploymentSettings.supports_instructions).
     instructions: str = ""
-    # A conversation instead of one prompt: (role, text) turns, each through
-    # the model's chat template (``prompt`` is then the last user turn's
-    # text, for engines without a template); omni_common.conversation.
-    messages: tuple[tuple[str, str], ...] = ()
+    # A conversation instead of one prompt: (role, content) turns, each
+    # through the model's chat template (``prompt`` is then the last user
+    # turn's text, for engines without a template); a turn's content is its
+    # text, or its parts with audio (omni_common.conversation).
+    messages: tuple[tuple[str, Any], ...] = ()
+    # The conversation's audio parts decoded (float32 mono numpy arrays at
+    # the first stage's input rate), in order (decoder_svc.inputs).
+    audio: tuple[Any, ...] = ()
     # Speak the prompt as it is written: the request starts at the speaking
     # stage (the talker), whatever stages come before it (GenerateRequest.verbatim).
     verbatim: bool = False

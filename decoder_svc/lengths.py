@@ -32,6 +32,10 @@ MAX_AUDIO_SECONDS_CEILING = 300.0
 """``--max-audio-seconds`` when not given: the talker's context, at most this."""
 DEFAULT_TEXT_TOKENS = 512
 """Text tokens of a request that sets no max_tokens (``--default-text-tokens``)."""
+DEFAULT_INPUT_AUDIO_PARTS = 4
+"""Audio parts a request may carry (``--max-input-audio-parts``), where the first stage reads audio."""
+DEFAULT_INPUT_AUDIO_SECONDS = 60.0
+"""Longest audio part, in seconds (``--max-input-audio-seconds``)."""
 DEFAULT_REPETITION_WINDOW_S = 4.0
 """Seconds of codec frames the runaway guard looks at (``--repetition-window-s``)."""
 DEFAULT_REPETITION_MAX_PERIOD = 8
@@ -61,6 +65,8 @@ class EngineFacts:
     default_top_p: float
     default_top_k: int
     model: str
+    audio_input_rate: int = 0
+    """Samples per second the first stage's audio tower reads (0: it reads no audio)."""
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,8 @@ class Options:
     default_text_tokens: int | None = None
     repetition_window_s: float = DEFAULT_REPETITION_WINDOW_S
     repetition_max_period: int = DEFAULT_REPETITION_MAX_PERIOD
+    max_input_audio_parts: int = DEFAULT_INPUT_AUDIO_PARTS
+    max_input_audio_seconds: float = DEFAULT_INPUT_AUDIO_SECONDS
 
 
 @dataclass(frozen=True)
@@ -98,6 +106,12 @@ class DeploymentSettings:
     max_first_chunk_frames: int = 0
     """Largest first audio chunk a request may ask for (the generation
     stage's codec_chunk_frames; 0: no audio)."""
+    audio_input_rate: int = 0
+    """The first stage's audio input rate (EngineFacts.audio_input_rate; 0: no audio input)."""
+    max_input_audio_parts: int = 0
+    """Audio parts a request may carry (0: the deployment takes no audio input)."""
+    max_input_audio_seconds: float = 0.0
+    """Longest audio part accepted, in seconds."""
 
     @property
     def has_text_stage(self) -> bool:
@@ -166,7 +180,11 @@ class DeploymentSettings:
                 f"{o.repetition_window_s:g} s is {window} frames; it must hold at least two cycles of "
                 f"--repetition-max-period ({period} frames), i.e. {2 * period} frames",
             )
+        audio_parts, audio_s = _input_audio_limits(o, int(facts.audio_input_rate))
         return cls(
+            audio_input_rate=int(facts.audio_input_rate) if audio_parts else 0,
+            max_input_audio_parts=audio_parts,
+            max_input_audio_seconds=audio_s,
             profile=profile,
             output_modalities=output_modalities,
             supports_instructions=supports_instructions,
@@ -204,12 +222,27 @@ class DeploymentSettings:
             default_top_p=self.default_top_p,
             default_top_k=self.default_top_k,
             max_first_chunk_frames=self.max_first_chunk_frames,
+            max_input_audio_parts=self.max_input_audio_parts,
+            max_input_audio_seconds=self.max_input_audio_seconds,
         )
 
     def new_guard(self) -> RepetitionGuard | None:
         if not self.repetition_window:
             return None
         return RepetitionGuard(self.repetition_window, self.repetition_max_period)
+
+
+def _input_audio_limits(o: Options, rate: int) -> tuple[int, float]:
+    """(audio parts, seconds per part) a request may send: the options where
+    the first stage reads audio (``rate`` > 0), else none."""
+    parts, seconds = int(o.max_input_audio_parts), float(o.max_input_audio_seconds)
+    if parts < 0:
+        raise InvalidArgumentError("--max-input-audio-parts", f"must be >= 0 (0 = no audio input), got {parts}")
+    if not (math.isfinite(seconds) and seconds > 0):
+        raise InvalidArgumentError("--max-input-audio-seconds", f"must be > 0, got {seconds}")
+    if rate <= 0 or parts == 0:
+        return 0, 0.0
+    return parts, seconds
 
 
 def deployment_modalities(roles: Iterable[str]) -> tuple[OutputModality, bool]:
@@ -246,6 +279,7 @@ def facts_of(backends: list, vocoder, *, model: str = "") -> EngineFacts:
         default_top_p=float(top_p),
         default_top_k=int(top_k),
         model=model or str(getattr(audio, "model_name", "") or "fake"),
+        audio_input_rate=int(getattr(first, "audio_input_rate", 0) or 0),
     )
 
 

@@ -35,6 +35,7 @@ from decoder_svc.code2wav.core import VocoderSpec
 from decoder_svc.code2wav.pool import Code2WavProcessPool
 from decoder_svc.code2wav.thread import Code2WavWorker
 from decoder_svc.guards import GuardDecision
+from decoder_svc.inputs import decode_inputs
 from decoder_svc.lengths import (
     DeploymentSettings,
     Options,
@@ -276,6 +277,7 @@ class Pipeline:
             spec = dataclasses.replace(spec, voice=voice)
         settings = self.settings
         check_request(spec, settings)
+        spec = decode_inputs(spec, settings)
         if self._prepare is not None:
             spec = self._prepare(spec)
         # each AR stage's token cap: the text stage's from max_tokens, the

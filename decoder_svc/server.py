@@ -96,6 +96,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--default-text-tokens", type=int, default=_env_int("OMNI_DEFAULT_TEXT_TOKENS"),
                    help=f"text tokens of a request that sets no max_tokens (profiles with a thinker; "
                         f"default {lengths.DEFAULT_TEXT_TOKENS}, within the thinker's context)")
+    p.add_argument("--max-input-audio-parts", type=int,
+                   default=_env_int("OMNI_MAX_INPUT_AUDIO_PARTS", lengths.DEFAULT_INPUT_AUDIO_PARTS),
+                   help="audio parts a request's messages may carry, where the first stage reads audio "
+                        f"(0 = no audio input; default {lengths.DEFAULT_INPUT_AUDIO_PARTS})")
+    p.add_argument("--max-input-audio-seconds", type=float,
+                   default=_env_float("OMNI_MAX_INPUT_AUDIO_SECONDS", lengths.DEFAULT_INPUT_AUDIO_SECONDS),
+                   help=f"longest audio part accepted, in seconds (default {lengths.DEFAULT_INPUT_AUDIO_SECONDS:g})")
     p.add_argument("--repetition-window-s", type=float,
                    default=_env_float("OMNI_REPETITION_WINDOW_S", lengths.DEFAULT_REPETITION_WINDOW_S),
                    help="runaway guard: end a request whose last this-many seconds of codec frames are one "
@@ -144,6 +151,8 @@ def length_options(args: argparse.Namespace) -> lengths.Options:
         default_text_tokens=args.default_text_tokens,
         repetition_window_s=args.repetition_window_s,
         repetition_max_period=args.repetition_max_period,
+        max_input_audio_parts=args.max_input_audio_parts,
+        max_input_audio_seconds=args.max_input_audio_seconds,
     )
 
 

@@ -50,8 +50,9 @@ from omni_common.server import (
     serve,
 )
 
-MAX_REQUEST_BYTES = 1 * 2**20
-"""Largest request message accepted: text is at most a few thousand characters."""
+MAX_REQUEST_BYTES = 16 * 2**20
+"""Largest request message accepted: text is at most a few thousand characters,
+but a conversation may carry audio parts (16 MiB: 8 minutes of 16 kHz PCM16)."""
 
 logger = logging.getLogger(__name__)
 

@@ -118,7 +118,7 @@ class GatewayEngine:
                 modality=request.output_modality,
                 sampling_params=request.sampling_params,
                 instructions=request.instructions,
-                conversation=bool(request.messages),
+                conversation=request.messages,
             )
             voice = await self._voice(request.voice, info)
             upstream = decoder_request(

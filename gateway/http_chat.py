@@ -43,6 +43,7 @@ prompt's tokens as the model reads them (the chat template's included:
 from __future__ import annotations
 
 import base64
+import binascii
 import contextlib
 import logging
 import time
@@ -74,6 +75,7 @@ from gateway.output_processor import OutputKind
 from gateway.outputs import OmniRequestOutput
 from gateway.servicer import CLIENT_ERRORS
 from gateway.validation import (
+    MAX_AUDIO_PARTS,
     MAX_TEMPERATURE,
     GenerationRequest,
     Limits,
@@ -83,7 +85,7 @@ from gateway.validation import (
     check_voice_shape,
     json_type_name,
 )
-from omni_common.conversation import conversation_from_pb
+from omni_common.conversation import Turn, conversation_from_pb, turn_text
 from omni_common.errors import InvalidArgumentError, quote_value
 from omni_common.modality import OutputModality
 from omni_serving.v1 import common_pb2
@@ -91,6 +93,10 @@ from omni_serving.v1 import common_pb2
 logger = logging.getLogger(__name__)
 
 ROLES = ("system", "developer", "user", "assistant")
+CHAT_AUDIO_FORMATS = ("wav", "mp3", "flac", "ogg", "pcm16")
+"""``input_audio.format`` values (OpenAI's wav and mp3, and the other files the decoder reads)."""
+OPENAI_PCM16_RATE = 24000
+"""Sample rate of raw ``pcm16`` input audio (OpenAI's PCM16 is 24 kHz mono)."""
 MODALITIES = ("text", "audio")
 AUDIO_FORMATS = ("wav", "pcm16")
 STREAM_AUDIO_FORMAT = "pcm16"
@@ -163,8 +169,9 @@ def _object(value: object, where: str) -> dict:
     return value
 
 
-def _message_text(message: object, where: str) -> tuple[str, str]:
-    """(role, text) of one message; text parts are joined by newlines."""
+def _message(message: object, where: str) -> tuple[str, list[common_pb2.ContentPart]]:
+    """(role, content parts) of one message: a string is one text part; an
+    array holds ``text`` and ``input_audio`` parts."""
     message = _object(message, where)
     role = message.get("role")
     if not isinstance(role, str):
@@ -176,36 +183,55 @@ def _message_text(message: object, where: str) -> tuple[str, str]:
     content = message.get("content")
     if content is None:
         if role == "assistant":  # an earlier audio reply, or tool calls
-            return role, ""
+            return role, []
         raise InvalidArgumentError(f"{where}.content", "is required")
     if isinstance(content, str):
-        return role, content
+        return role, [common_pb2.ContentPart(text=content)]
     if not isinstance(content, list):
         raise InvalidArgumentError(
             f"{where}.content",
-            f"must be a string or an array of text parts, got {json_type_name(content)}",
+            f"must be a string or an array of content parts, got {json_type_name(content)}",
         )
-    texts = []
-    for j, part in enumerate(content):
-        part_where = f"{where}.content[{j}]"
-        part = _object(part, part_where)
-        kind = part.get("type")
-        if kind != "text":
-            raise InvalidArgumentError(
-                f"{part_where}.type",
-                f"only text parts are supported, got {quote_value(kind)}",
-            )
+    return role, [_part(part, f"{where}.content[{j}]") for j, part in enumerate(content)]
+
+
+def _part(part: object, where: str) -> common_pb2.ContentPart:
+    part = _object(part, where)
+    kind = part.get("type")
+    if kind == "text":
         text = part.get("text")
         if not isinstance(text, str):
-            raise InvalidArgumentError(
-                f"{part_where}.text", f"must be a string, got {json_type_name(text)}"
-            )
-        texts.append(text)
-    return role, "\n".join(texts)
+            raise InvalidArgumentError(f"{where}.text", f"must be a string, got {json_type_name(text)}")
+        return common_pb2.ContentPart(text=text)
+    if kind == "input_audio":
+        return common_pb2.ContentPart(audio=_input_audio(part.get("input_audio"), f"{where}.input_audio"))
+    raise InvalidArgumentError(
+        f"{where}.type", f"unsupported content part {quote_value(kind)}; supported: text, input_audio"
+    )
 
 
-def _conversation(body: Mapping[str, object], limits: Limits) -> tuple[tuple[str, str], ...]:
-    """The (role, text) turns of ``messages``, every one given to the model
+def _input_audio(value: object, where: str) -> common_pb2.AudioContent:
+    """OpenAI's ``{"data": base64, "format": ...}``: a WAV, MP3, FLAC or Ogg
+    file, or raw ``pcm16`` (mono, 24 kHz as OpenAI's PCM16 is)."""
+    value = _object(value, where)
+    fmt = value.get("format")
+    if not isinstance(fmt, str) or fmt not in CHAT_AUDIO_FORMATS:
+        raise InvalidArgumentError(
+            f"{where}.format", f"must be one of {', '.join(CHAT_AUDIO_FORMATS)}, got {quote_value(fmt)}"
+        )
+    data = value.get("data")
+    if not isinstance(data, str):
+        raise InvalidArgumentError(f"{where}.data", f"must be a base64 string, got {json_type_name(data)}")
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidArgumentError(f"{where}.data", "is not valid base64") from None
+    return common_pb2.AudioContent(data=raw, format=fmt,
+                                   sample_rate=OPENAI_PCM16_RATE if fmt == "pcm16" else 0)
+
+
+def _conversation(body: Mapping[str, object], limits: Limits) -> tuple[Turn, ...]:
+    """The (role, content) turns of ``messages``, every one given to the model
     (``developer`` is a ``system`` turn; see the module docstring), checked
     as gRPC Generate checks its ``messages`` (``omni_common.conversation``)."""
     messages = body.get("messages")
@@ -215,18 +241,17 @@ def _conversation(body: Mapping[str, object], limits: Limits) -> tuple[tuple[str
         raise InvalidArgumentError("messages", f"must be an array, got {json_type_name(messages)}")
     turns = []
     for i, message in enumerate(messages):
-        role, text = _message_text(message, f"messages[{i}]")
-        if role == "assistant" and not text:
+        role, parts = _message(message, f"messages[{i}]")
+        if role == "assistant" and not any(p.text for p in parts):
             raise InvalidArgumentError(
                 f"messages[{i}].content",
                 "an assistant turn needs its text: audio is not kept between requests, so send the "
                 "reply's transcript as the content",
             )
-        turns.append(common_pb2.ChatMessage(role="system" if role == "developer" else role,
-                                            content=[common_pb2.ContentPart(text=text)]))
-    conversation = conversation_from_pb(turns, limits.max_text_chars)
-    for i, (_, text) in enumerate(conversation):
-        check_unicode(text, f"messages[{i}].content")
+        turns.append(common_pb2.ChatMessage(role="system" if role == "developer" else role, content=parts))
+    conversation = conversation_from_pb(turns, limits.max_text_chars, max_audio_parts=MAX_AUDIO_PARTS)
+    for i, (_, content) in enumerate(conversation):
+        check_unicode(turn_text(content), f"messages[{i}].content")
     return conversation
 
 
@@ -316,6 +341,7 @@ def chat_call_from_json(body: object, limits: Limits, request_id: str | None) ->
     if not model:
         raise InvalidArgumentError("model", "is required")
     messages = _conversation(body, limits)
+    lone_text = len(messages) == 1 and isinstance(messages[0][1], str)
     stream = bool(json_field(body, "stream", (bool,), False))
     options = json_field(body, "stream_options", (dict,), None)
     include_usage = False
@@ -338,9 +364,10 @@ def chat_call_from_json(body: object, limits: Limits, request_id: str | None) ->
     request = GenerationRequest(
         request_id=check_request_id(request_id or "", REQUEST_ID_HEADER),
         # one user turn is the prompt (the same ids through the chat template, and a
-        # deployment without a text stage speaks it); a longer conversation goes whole
-        prompt=messages[0][1] if len(messages) == 1 else "",
-        messages=messages if len(messages) > 1 else (),
+        # deployment without a text stage speaks it); a longer conversation, or
+        # one with audio, goes whole
+        prompt=messages[0][1] if lone_text else "",
+        messages=() if lone_text else messages,
         output_modality=modality,
         output_kind=OutputKind.DELTA,
         voice=voice,
@@ -359,6 +386,7 @@ def chat_call_from_json(body: object, limits: Limits, request_id: str | None) ->
             "output_modalities": "modalities",
             "voice": "audio.voice",
             "max_tokens": tokens_field,
+            ".audio": ".input_audio",
         },
     )
 

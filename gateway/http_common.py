@@ -30,6 +30,7 @@ import contextlib
 import json
 import logging
 import math
+import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
@@ -113,12 +114,21 @@ def http_param(field: str | None, params: Mapping[str, str] | None = None) -> st
     """The HTTP field a client sent for an engine or decoder field name.
 
     ``sampling_params.x`` is the body's ``x``; `params` renames the rest
-    (``text`` -> ``input`` for speech, ``prompt`` -> ``messages`` for chat).
+    (``text`` -> ``input`` for speech, ``prompt`` -> ``messages`` for chat);
+    a key that starts with a dot renames that segment of a path wherever it
+    is (``.audio`` -> ``.input_audio``: ``messages[0].content[1].audio.data``
+    is the body's ``messages[0].content[1].input_audio.data``).
     """
     if field is None:
         return None
     field = field.removeprefix("sampling_params.")
-    return (params or {}).get(field, field)
+    params = params or {}
+    if field in params:
+        return params[field]
+    for segment, name in params.items():
+        if segment.startswith("."):
+            field = re.sub(re.escape(segment) + r"(?=\.|$)", name, field)
+    return field
 
 
 def error_body(
@@ -139,6 +149,8 @@ def error_body(
         message = public_message(exc)
     field = getattr(exc, "field", None)
     param = http_param(field if isinstance(field, str) else None, params)
+    if isinstance(field, str) and param and param != field:
+        message = message.replace(f"{field}: ", f"{param}: ", 1)  # the field as the client named it
     return status, {"message": message, "type": type_, "param": param, "code": code.name.lower()}
 
 

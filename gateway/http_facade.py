@@ -78,6 +78,10 @@ from omni_common.errors import (
 
 logger = logging.getLogger(__name__)
 
+MAX_BODY_BYTES = 24 * 2**20
+"""Largest HTTP request body (413 above it): a chat request's audio parts are
+base64 in its JSON, a third larger than the 16 MiB gRPC requests may carry."""
+
 
 class HttpFacade:
     """The aiohttp application and its runner."""
@@ -102,7 +106,8 @@ class HttpFacade:
             websocket_routes=[SpeechStreamEndpoint.route],
         )
         # Outermost first: the metrics see the final status of every request.
-        self.app = web.Application(middlewares=[_http_metrics, _openai_errors, access.middleware])
+        self.app = web.Application(middlewares=[_http_metrics, _openai_errors, access.middleware],
+                                   client_max_size=MAX_BODY_BYTES)
         models = ModelsEndpoint(engine)
         self.app.router.add_post("/v1/audio/speech", SpeechEndpoint(engine).handle)
         self.app.router.add_get(

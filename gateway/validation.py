@@ -37,7 +37,14 @@ from dataclasses import dataclass
 
 from gateway.decoder_client import DecoderInfo
 from gateway.output_processor import OutputKind
-from omni_common.conversation import conversation_from_pb
+from omni_common.conversation import (
+    NO_AUDIO_INPUT,
+    Turn,
+    audio_parts,
+    conversation_from_pb,
+    turn_text,
+    turns_to_pb,
+)
 from omni_common.errors import InvalidArgumentError, ResourceExhaustedError, quote_value
 from omni_common.modality import OutputModality
 from omni_common.voices import resolve_voice
@@ -53,6 +60,9 @@ NATIVE_SAMPLE_RATE = 0
 """`sample_rate_hz` value meaning "the model's native rate"."""
 MAX_TEMPERATURE = 2.0
 """vLLM refuses a temperature above 2."""
+MAX_AUDIO_PARTS = 64
+"""Audio parts a request may carry before any decoder is asked (each
+decoder's own limit, DeploymentLimits.max_input_audio_parts, is lower)."""
 MAX_SEED = 2**63 - 1
 """Largest seed accepted: the engines hold seeds in signed 64-bit integers."""
 
@@ -104,8 +114,8 @@ class GenerationRequest:
     voice: str = ""
     sampling_params: common_pb2.SamplingParams | None = None
     instructions: str = ""
-    messages: tuple[tuple[str, str], ...] = ()
-    """A conversation instead of `prompt` ((role, text) turns, omni_common.conversation)."""
+    messages: tuple[Turn, ...] = ()
+    """A conversation instead of `prompt` ((role, content) turns, omni_common.conversation)."""
 
 
 # ---------------------------------------------------------------------------
@@ -234,13 +244,14 @@ def check_against_decoder(
     instructions: str,
     modality_field: str = "output_modalities",
     field: str = "sampling_params",
-    conversation: bool = False,
+    conversation: tuple[Turn, ...] = (),
     verbatim: bool = False,
     instructions_field: str = "instructions",
 ) -> None:
     """A request against what the deployment can do (see the module docstring;
-    `conversation`: the request gives messages, which need a text stage;
-    `verbatim`: a text spoken as written, which takes no instructions)."""
+    `conversation`: the request's messages, which need a text stage, and whose
+    audio parts need a deployment that takes audio input; `verbatim`: a text
+    spoken as written, which takes no instructions)."""
     if instructions and verbatim:
         raise InvalidArgumentError(
             instructions_field,
@@ -261,6 +272,13 @@ def check_against_decoder(
             instructions_field,
             f"this deployment (profile {info.profile or 'unknown'}) does not take instructions",
         )
+    audio = audio_parts(conversation)
+    allowed = info.limits.max_input_audio_parts
+    if audio and len(audio) > allowed:
+        raise InvalidArgumentError(
+            audio[allowed].field,
+            NO_AUDIO_INPUT if not allowed else f"the request has {len(audio)} audio parts; this deployment takes "
+                                               f"at most {allowed}")
     if conversation and not info.supports_instructions:
         raise InvalidArgumentError(
             "messages",
@@ -374,15 +392,15 @@ def generation_request_from_pb(
     request: gateway_pb2.OmniGatewayServiceGenerateRequest, limits: Limits
 ) -> GenerationRequest:
     """Validate a Generate request (fields named as in the proto)."""
-    messages: tuple[tuple[str, str], ...] = ()
+    messages: tuple[Turn, ...] = ()
     if request.messages:
         if request.prompt:
             raise InvalidArgumentError("messages", "give prompt or messages, not both")
         if request.instructions.strip():
             raise InvalidArgumentError("instructions", "with messages, style instructions are a system turn")
-        messages = conversation_from_pb(request.messages, limits.max_text_chars)
-        for i, (_, text) in enumerate(messages):
-            check_unicode(text, f"messages[{i}].content")
+        messages = conversation_from_pb(request.messages, limits.max_text_chars, max_audio_parts=MAX_AUDIO_PARTS)
+        for i, (_, content) in enumerate(messages):
+            check_unicode(turn_text(content), f"messages[{i}].content")
     return GenerationRequest(
         request_id=check_request_id(request.request_id),
         prompt="" if messages else check_text(request.prompt, limits, "prompt"),
@@ -404,7 +422,7 @@ def decoder_request(
     voice: str,
     sampling_params: common_pb2.SamplingParams | None,
     instructions: str = "",
-    messages: tuple[tuple[str, str], ...] = (),
+    messages: tuple[Turn, ...] = (),
     *,
     verbatim: bool = False,
 ) -> decoder_pb2.GenerateRequest:
@@ -418,8 +436,7 @@ def decoder_request(
         voice=voice,
         task=common_pb2.REQUEST_TASK_GENERATE,
         instructions=instructions,
-        messages=[common_pb2.ChatMessage(role=role, content=[common_pb2.ContentPart(text=text)])
-                  for role, text in messages],
+        messages=turns_to_pb(messages),
         verbatim=verbatim,
     )
     if sampling_params is not None:

@@ -351,6 +351,17 @@ AUDIO = {"modalities": ["text", "audio"], "audio": {"voice": "alice", "format": 
             {"model": "m", "messages": [{"role": "user", "content": [{"type": "text"}]}]},
             "messages[0].content[0].text",
         ),
+        *[  # audio parts: checked by the gateway, then against the deployment (the fake one reads no audio)
+            ({"model": "m", "messages": [{"role": "user", "content": [{"type": "input_audio", **part}]}]},
+             "messages[0].content[0].input_audio" + suffix)
+            for part, suffix in [
+                ({}, ""),
+                ({"input_audio": {"data": "bm90IGJhc2U2NA", "format": "wav"}}, ".data"),  # unpadded base64
+                ({"input_audio": {"data": "AAAA", "format": "aac"}}, ".format"),
+                ({"input_audio": {"data": 5, "format": "wav"}}, ".data"),
+                ({"input_audio": {"data": "UklGRg==", "format": "wav"}}, ""),  # fine here; no audio input there
+            ]
+        ],
         ({"model": "m", "messages": ["hi"]}, "messages[0]"),
         ({"model": "m", "messages": USER, "modalities": "text"}, "modalities"),
         ({"model": "m", "messages": USER, "modalities": []}, "modalities"),

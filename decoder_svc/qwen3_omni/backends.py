@@ -61,6 +61,9 @@ THINKER_EMBED = "thinker_embed"
 THINKER_HIDDEN = "thinker_hidden"
 THINKER_TOKEN_IDS = "thinker_token_ids"
 THINKER_ARCH = "Qwen3OmniMoeForConditionalGeneration"
+# vLLM's per-prompt audio limit (it sizes the encoder budget at start; the
+# deployment's own limit, DeploymentLimits.max_input_audio_parts, is checked first)
+MAX_AUDIO_PARTS = 16
 
 
 def prepare_vllm() -> None:
@@ -165,10 +168,19 @@ class ThinkerBackend(VLLMBackend):
         self.eos_token_id = int(cfg["im_end_token_id"])
         self.num_codebooks = 1
         self.codec_vocab = self.vocab_size
+        self.audio_token = int(self.checkpoint.thinker_config.get("audio_token_id", -1))
+        features = self.checkpoint.audio_input
+        # what the decoder resamples a request's audio to (0: no audio input)
+        self.audio_input_rate = features.rate if features is not None else 0
 
     def _engine_kwargs(self) -> dict[str, Any]:
         prepare_vllm()
-        kwargs: dict[str, Any] = {"limit_mm_per_prompt": {"audio": 0, "image": 0, "video": 0}}
+        # audio through vLLM's Qwen3-Omni processor (the checkpoint's audio
+        # tower); the decoder bounds a request's parts (DeploymentSettings),
+        # vLLM's limit only sizes its encoder budget
+        audio = MAX_AUDIO_PARTS if self.audio_input_rate else 0
+        kwargs: dict[str, Any] = {"limit_mm_per_prompt": {"audio": audio, "image": 0, "video": 0},
+                                  "mm_processor_cache_gb": 0}
         if self.capture_talker_inputs:
             # Built without engine settings (which decide otherwise): a prompt
             # is prefilled in one step. With chunked prefill every prompt row
@@ -199,7 +211,32 @@ class ThinkerBackend(VLLMBackend):
     def _prompt(self, spec: RequestSpec) -> dict[str, Any]:
         if not spec.prompt_token_ids:
             raise InvalidArgumentError("prompt", "the thinker takes a tokenized chat prompt")
-        return {"prompt_token_ids": list(spec.prompt_token_ids)}
+        if not spec.audio:
+            return {"prompt_token_ids": list(spec.prompt_token_ids)}
+        if not self.audio_input_rate:
+            raise FailedPreconditionError("this thinker takes no audio input")
+        # vLLM's processor expands each clip's placeholder itself: give it one
+        # per clip (the decoder's prompt has them expanded, ChatPrompts._expand_audio)
+        ids = [t for i, t in enumerate(spec.prompt_token_ids)
+               if t != self.audio_token or i == 0 or spec.prompt_token_ids[i - 1] != self.audio_token]
+        return {"prompt_token_ids": ids,
+                "multi_modal_data": {"audio": [(clip, self.audio_input_rate) for clip in spec.audio]}}
+
+    def add_request(self, spec: RequestSpec) -> None:
+        super().add_request(spec)
+        if not spec.audio:
+            return
+        # the positions the talker's rows follow are the decoder's prompt's:
+        # vLLM's expansion of the audio placeholders must agree with it
+        with self._lock:
+            internal = self._int_of.get(spec.request_id)
+            state = self.engine.output_processor.request_states.get(internal)
+            got = len(state.prompt_token_ids) if state is not None and state.prompt_token_ids is not None else -1
+        if got != len(spec.prompt_token_ids):
+            self.abort(spec.request_id)
+            raise RuntimeError(
+                f"vLLM's prompt for {spec.request_id!r} has {got} tokens, the decoder's {len(spec.prompt_token_ids)}: "
+                "the audio token counts disagree")
 
     def close(self) -> None:
         if self._rows is not None:

@@ -14,7 +14,11 @@ directory holds what serving reads:
 - a tokenizer (``tokenizer.json``, or ``vocab.json`` + ``merges.txt``) and a
   chat template (``tokenizer_config.json``'s ``chat_template``,
   ``chat_template.json`` or ``chat_template.jinja``);
-- ``generation_config.json``, when present, parses.
+- ``generation_config.json``, when present, parses;
+- ``preprocessor_config.json``, when present (released checkpoints ship it),
+  describes Whisper-style audio features (sampling rate, hop length): the
+  thinker then takes audio input (:attr:`OmniCheckpoint.audio_input`);
+  without it, requests with audio are refused.
 
 Every failure is a ``CheckpointError`` naming the file and the key. Nothing
 is ever written into (or changed in) the directory: files are only opened for
@@ -31,6 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from .audio_features import AudioFeatures
 from .checkpoint_tensors import expected_shapes, required_prefixes, required_tensors
 
 if TYPE_CHECKING:
@@ -38,6 +43,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "ARCHITECTURE",
+    "AudioFeatures",
     "CheckpointError",
     "OmniCheckpoint",
 ]
@@ -49,6 +55,7 @@ GENERATION_CONFIG = "generation_config.json"
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
 TOKENIZER_CONFIG = "tokenizer_config.json"
+PREPROCESSOR_CONFIG = "preprocessor_config.json"
 CHAT_TEMPLATE_JSON = "chat_template.json"
 CHAT_TEMPLATE_JINJA = "chat_template.jinja"
 
@@ -358,6 +365,29 @@ class SubConfigs:
         return self.config["code2wav_config"]
 
 
+def _audio_features(path: Path, config: dict) -> AudioFeatures | None:
+    file = path / PREPROCESSOR_CONFIG
+    if not file.exists():
+        return None
+    data = _read_json(file, "preprocessor_config")
+    if not isinstance(data, dict):
+        raise CheckpointError(file, "(top level)", f"must be a JSON object, got {type(data).__name__}")
+    if data.get("feature_extractor_type", "WhisperFeatureExtractor") != "WhisperFeatureExtractor":
+        raise CheckpointError(file, "feature_extractor_type",
+                              f"{data['feature_extractor_type']!r}; serving reads WhisperFeatureExtractor's features")
+    values = {}
+    for key in ("sampling_rate", "hop_length"):
+        value = data.get(key)
+        if not _is_int(value) or value <= 0:
+            raise CheckpointError(file, key, f"must be a positive integer, got {value!r}")
+        values[key] = int(value)
+    n_window = config["thinker_config"].get("audio_config", {}).get("n_window", 50)
+    if not _is_int(n_window) or n_window <= 0:
+        raise CheckpointError(path / CONFIG, "thinker_config.audio_config.n_window",
+                              f"must be a positive integer, got {n_window!r}")
+    return AudioFeatures(rate=values["sampling_rate"], hop=values["hop_length"], n_window=int(n_window))
+
+
 @dataclass(frozen=True)
 class OmniCheckpoint(SubConfigs):
     """A validated Qwen3-Omni-MoE checkpoint directory (see the module docstring)."""
@@ -368,6 +398,8 @@ class OmniCheckpoint(SubConfigs):
     weight_map: dict[str, str]
     # tensor name -> shape, from the shards' headers (no tensor data read)
     shapes: dict[str, list[int]] = field(default_factory=dict, compare=False, repr=False)
+    # the thinker's audio input (preprocessor_config.json); None: text input only
+    audio_input: AudioFeatures | None = None
 
     # -- opening
     @classmethod
@@ -395,7 +427,9 @@ class OmniCheckpoint(SubConfigs):
         weight_map, shapes, index_file = _read_weights(path)
         _check_tensors(config, weight_map, shapes, path, index_file)
         _check_tokenizer(path)
-        return cls(path=path, config=config, generation_config=generation, weight_map=weight_map, shapes=shapes)
+        audio = _audio_features(path, config)
+        return cls(path=path, config=config, generation_config=generation, weight_map=weight_map, shapes=shapes,
+                   audio_input=audio)
 
     # -- weights
     def shard_files(self, prefix: str = "") -> list[Path]:

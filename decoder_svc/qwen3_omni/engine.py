@@ -24,7 +24,7 @@ from typing import Any
 from decoder_svc.backend import RequestSpec
 from decoder_svc.engine_settings import EffectiveSettings, EngineSettings, resolve, resolve_vocoder
 from decoder_svc.profile import Profile
-from omni_common.errors import InvalidArgumentError
+from omni_common.errors import FailedPreconditionError, InvalidArgumentError
 from omni_common.materialize import sources_of
 
 from .backends import THINKER_EMBED, THINKER_HIDDEN, TalkerBackend, ThinkerBackend
@@ -45,6 +45,8 @@ class ChatPrompts:
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(checkpoint.path))
         self.end_of_turn = int(checkpoint.config["im_end_token_id"])
+        self.audio_input = getattr(checkpoint, "audio_input", None)  # None: text input only
+        self.audio_token = int(checkpoint.config.get("thinker_config", {}).get("audio_token_id", -1))
         # the first stage's context (a chat prompt's), and the talker's (a
         # text spoken as written; 0: the first stage's)
         self.max_model_len = max_model_len
@@ -57,7 +59,7 @@ class ChatPrompts:
             messages.insert(0, {"role": "system", "content": instructions})
         return self._render(messages)
 
-    def _render(self, messages: list[dict[str, str]]) -> list[int]:
+    def _render(self, messages: list[dict[str, Any]]) -> list[int]:
         """The conversation's ids through the chat template, the assistant's turn opened."""
         with self._lock:
             out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
@@ -96,12 +98,49 @@ class ChatPrompts:
         """The request's conversation through the chat template, every turn
         in order (omni profile); or its text as the user's message, after a
         system turn holding its instructions, if any."""
+        audio = spec.audio
         if spec.messages:
-            prompt = self._render([{"role": role, "content": text} for role, text in spec.messages])
+            prompt = self._render([{"role": role, "content": _template_content(content)}
+                                   for role, content in spec.messages])
+            if audio:
+                prompt, audio = self._expand_audio(prompt, audio)
         else:
             prompt = self._user_prompt(spec.prompt, spec.instructions)
         self._check_length(len(prompt), spec.max_tokens, "messages" if spec.messages else "prompt")
-        return dataclasses.replace(spec, prompt_token_ids=prompt)
+        return dataclasses.replace(spec, prompt_token_ids=prompt, audio=audio)
+
+    def _expand_audio(self, prompt: list[int], clips: tuple[Any, ...]) -> tuple[list[int], tuple[Any, ...]]:
+        """The prompt with each audio placeholder (one token per clip, where the
+        chat template put it) repeated as many times as the clip has audio
+        tokens, the ids the thinker's positions follow; and the clips padded
+        to whole feature frames (the count the audio tower and the reference
+        processor agree on)."""
+        import numpy as np
+
+        features = self.audio_input
+        if features is None:  # the decoder refuses audio before this (DeploymentSettings)
+            raise FailedPreconditionError("this model takes no audio input (no preprocessor_config.json)")
+        at = [i for i, t in enumerate(prompt) if t == self.audio_token]
+        if len(at) != len(clips):  # a text part that spells the audio token itself
+            raise InvalidArgumentError(
+                "messages", f"the prompt has {len(at)} audio placeholders for {len(clips)} audio parts: "
+                            "a text part may not contain the model's audio token")
+        padded = tuple(np.pad(c, (0, -len(c) % features.hop)) for c in clips)
+        out: list[int] = []
+        prev = 0
+        for i, clip in zip(at, padded, strict=True):
+            out += prompt[prev:i] + [self.audio_token] * features.tokens(len(clip))
+            prev = i + 1
+        return out + prompt[prev:], padded
+
+
+def _template_content(content: Any) -> Any:
+    """A turn's content as the chat template takes it: its text, or its parts
+    (text, and audio parts as ``{"type": "audio"}``: the template writes their
+    placeholders)."""
+    if isinstance(content, str):
+        return content
+    return [{"type": "text", "text": p} if isinstance(p, str) else {"type": "audio"} for p in content]
 
 
 # The checkpoint's Code2Wav behind the generation stage's streaming interface

@@ -39,7 +39,7 @@ from pathlib import Path
 from typing import Any
 
 from .presets import released_config
-from .tiny import CHAT_TEMPLATE, GENERATION_CONFIG, chat_tokenizer
+from .tiny import CHAT_TEMPLATE, GENERATION_CONFIG, chat_tokenizer, write_preprocessor_config
 
 __all__ = [
     "RELEASED_FORMAT",
@@ -52,7 +52,7 @@ __all__ = [
 ]
 
 # Bumped whenever what create_released_checkpoint writes changes.
-RELEASED_FORMAT = 1
+RELEASED_FORMAT = 2
 
 # The released tokenizer's added tokens, ids 151643 ... 151675 in this order
 # (the ones the configuration names: im_start/end, vision, audio, tts_*).
@@ -278,6 +278,7 @@ def create_released_checkpoint(
         (tmp / "generation_config.json").write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
         released_tokenizer().save_pretrained(tmp)
         (tmp / "chat_template.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}, indent=2) + "\n")
+        write_preprocessor_config(tmp, patch_size=int(config["thinker_config"]["vision_config"]["patch_size"]))
         marker = {"preset": "released", "format": RELEASED_FORMAT, "layers": layers, "seed": int(seed)}
         (tmp / "omni_serving_preset.json").write_text(json.dumps(marker) + "\n")
         _readable(tmp)

@@ -33,7 +33,7 @@ from typing import Any
 __all__ = ["create_tiny_checkpoint", "TINY_FORMAT", "SPECIAL_TOKENS", "SPEAKERS", "CHAT_TEMPLATE"]
 
 # Bumped whenever the tiny checkpoint's content changes (the model cache keys on it).
-TINY_FORMAT = 2
+TINY_FORMAT = 3
 
 # Token ids 0.. in this order (the BPE trainer assigns special tokens first).
 SPECIAL_TOKENS: tuple[str, ...] = (
@@ -59,19 +59,38 @@ _ID = {t: i for i, t in enumerate(SPECIAL_TOKENS)}
 # Released speaker map (lower-case names -> codec ids).
 SPEAKERS: dict[str, int] = {"chelsie": 2301, "ethan": 2302, "aiden": 2303}
 
-# Text-only subset of the released chat template: roles in <|im_start|> ...
-# <|im_end|> blocks, string or [{"type": "text", "text": ...}] content.
+# The released chat template's conventions, text and media: roles in
+# <|im_start|> ... <|im_end|> blocks; content a string or a list of parts:
+# text, and audio / image parts written as their placeholders (the
+# processor expands each pad token to the clip's or image's tokens).
 CHAT_TEMPLATE = (
     "{%- for message in messages %}"
     "{{- '<|im_start|>' + message['role'] + '\\n' }}"
     "{%- if message['content'] is string %}{{- message['content'] }}"
     "{%- else %}{%- for part in message['content'] %}"
-    "{%- if part['type'] == 'text' %}{{- part['text'] }}{%- endif %}"
+    "{%- if part['type'] == 'text' %}{{- part['text'] }}"
+    "{%- elif part['type'] in ('audio', 'input_audio', 'audio_url') %}"
+    "{{- '<|audio_start|><|audio_pad|><|audio_end|>' }}"
+    "{%- elif part['type'] in ('image', 'image_url') %}"
+    "{{- '<|vision_start|><|image_pad|><|vision_end|>' }}"
+    "{%- endif %}"
     "{%- endfor %}{%- endif %}"
     "{{- '<|im_end|>\\n' }}"
     "{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
 )
+
+# The tokenizer attributes the released tokenizer config names (the
+# processor reads them to find the placeholders).
+MEDIA_TOKENS: dict[str, str] = {
+    "audio_token": "<|audio_pad|>",
+    "image_token": "<|image_pad|>",
+    "video_token": "<|video_pad|>",
+    "audio_bos_token": "<|audio_start|>",
+    "audio_eos_token": "<|audio_end|>",
+    "vision_bos_token": "<|vision_start|>",
+    "vision_eos_token": "<|vision_end|>",
+}
 
 _CORPUS: tuple[str, ...] = (
     "The quick brown fox jumps over the lazy dog.",
@@ -107,7 +126,7 @@ def chat_tokenizer(tok, *, model_max_length: int):  # noqa: ANN001, ANN201
         pad_token="<|endoftext|>",
         model_max_length=model_max_length,
         clean_up_tokenization_spaces=False,
-        extra_special_tokens={},
+        extra_special_tokens=dict(MEDIA_TOKENS),
     )
     fast.chat_template = CHAT_TEMPLATE
     return fast
@@ -349,6 +368,7 @@ def create_tiny_checkpoint(out_dir: str | Path, *, seed: int = 0) -> Path:
         gen_path.write_text(json.dumps(gen, indent=2, sort_keys=True) + "\n")
         _tokenizer().save_pretrained(tmp)
         (tmp / "chat_template.json").write_text(json.dumps({"chat_template": CHAT_TEMPLATE}, indent=2) + "\n")
+        write_preprocessor_config(tmp, patch_size=int(cfg.thinker_config.vision_config.patch_size))
         _write_index(tmp)
         (tmp / "omni_serving_tiny.json").write_text(json.dumps({"format": TINY_FORMAT, "seed": int(seed)}) + "\n")
         os.rename(tmp, out_dir)
@@ -356,6 +376,45 @@ def create_tiny_checkpoint(out_dir: str | Path, *, seed: int = 0) -> Path:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return out_dir
+
+
+# The released checkpoint's preprocessor_config.json: Whisper-style log-mel
+# features (128 bins, 16 kHz, 10 ms hop) for the audio tower, and the
+# vision tower's image processor (patches of its patch size, 2x2 merged).
+PREPROCESSOR_CONFIG: dict[str, Any] = {
+    "processor_class": "Qwen3OmniMoeProcessor",
+    "feature_extractor_type": "WhisperFeatureExtractor",
+    "feature_size": 128,
+    "sampling_rate": 16000,
+    "hop_length": 160,
+    "n_fft": 400,
+    "chunk_length": 300,
+    "n_samples": 4800000,
+    "nb_max_frames": 30000,
+    "padding_side": "right",
+    "padding_value": 0.0,
+    "dither": 0.0,
+    "return_attention_mask": True,
+    "image_processor_type": "Qwen2VLImageProcessor",
+    "image_mean": [0.5, 0.5, 0.5],
+    "image_std": [0.5, 0.5, 0.5],
+    "do_convert_rgb": True,
+    "do_normalize": True,
+    "do_rescale": True,
+    "do_resize": True,
+    "rescale_factor": 1 / 255,
+    "resample": 3,
+    "min_pixels": 3136,
+    "max_pixels": 12845056,
+    "merge_size": 2,
+    "temporal_patch_size": 2,
+}
+
+
+def write_preprocessor_config(out_dir: Path, *, patch_size: int) -> None:
+    """The processor's settings (audio features, images) as released checkpoints ship them."""
+    cfg = dict(PREPROCESSOR_CONFIG, patch_size=patch_size)
+    (out_dir / "preprocessor_config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
 
 
 def _write_index(out_dir: Path) -> None:

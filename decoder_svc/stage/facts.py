@@ -66,3 +66,7 @@ class ReportedFacts:
     @property
     def hidden_size(self) -> int:
         return self._fact("hidden_size")
+
+    @property
+    def audio_input_rate(self) -> int:
+        return self._fact("audio_input_rate")

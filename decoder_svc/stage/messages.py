@@ -143,6 +143,7 @@ class StageFacts:
     streams_input: bool | None = None
     min_input_tokens: int | None = None
     hidden_size: int | None = None
+    audio_input_rate: int | None = None
     engine_facts: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -154,7 +155,7 @@ class StageFacts:
 
 _FACT_NAMES = (
     "role", "max_model_len", "sampling_defaults", "model_name", "num_codebooks", "codec_vocab",
-    "streams_input", "min_input_tokens", "hidden_size",
+    "streams_input", "min_input_tokens", "hidden_size", "audio_input_rate",
 )
 
 

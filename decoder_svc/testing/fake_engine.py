@@ -48,6 +48,7 @@ import torch
 from decoder_svc.backend import RequestSpec, StepOutput
 from decoder_svc.busy import BUSY
 from decoder_svc.code2wav.chunking import SAMPLE_RATE_HZ, SAMPLES_PER_FRAME
+from omni_common.conversation import turn_text
 from omni_serving.v1 import snapshot_pb2
 
 PER_REQUEST = snapshot_pb2.TENSOR_LAYOUT_PER_REQUEST
@@ -100,7 +101,7 @@ def prompt_ids_for(spec: RequestSpec) -> list[int]:
     """The fake thinker's prompt: the instructions (a system turn's place), then the text;
     a conversation's turns joined by newlines (a system turn then a user turn: the same ids)."""
     if spec.messages:
-        return tokenize("\n".join(text for _, text in spec.messages))
+        return tokenize("\n".join(turn_text(content) for _, content in spec.messages))
     if spec.instructions:
         return tokenize(spec.instructions + "\n" + spec.prompt)
     return tokenize(spec.prompt)

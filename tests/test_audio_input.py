@@ -1,0 +1,274 @@
+"""Audio into the thinker: a conversation's audio parts, served and checked.
+
+On the tiny checkpoint (its audio tower in the released layout), an omni
+stack on vLLM takes audio parts (gRPC ``ContentPart.audio``, HTTP chat
+``input_audio``):
+
+- parity with the reference: transformers' processor and
+  ``Qwen3OmniMoeForConditionalGeneration.generate(return_audio=True)`` fed
+  the same samples give the same greedy thinker ids and the same waveform
+  (max abs diff <= 1e-4); the served prompt's token count (audio tokens
+  included) is the reference processor's;
+- bad audio (corrupt, cut short, a format named wrongly, too long, too many
+  parts, on a deployment that reads none) is refused with INVALID_ARGUMENT /
+  400 naming the part's field, and the stack keeps serving.
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import urllib.error
+import urllib.request
+from types import SimpleNamespace
+
+import grpc
+import numpy as np
+import pytest
+import soundfile as sf
+import torch
+
+from omni_common.media import resample
+from omni_serving.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
+from omni_stack.config import StackConfig
+from omni_stack.stack import Stack
+
+pytest.importorskip("vllm")
+pytestmark = [pytest.mark.parity, pytest.mark.vllm, pytest.mark.e2e]
+
+THINKER_TOKENS = 8
+TALKER_FRAMES = 24  # the served cap; the reference runs one more (it drops its last step's frame)
+RATE = 16000
+
+
+def _clip(seconds: float, seed: int) -> np.ndarray:
+    """A speech-like test clip at 16 kHz: a few harmonics under an envelope, some noise."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(int(seconds * RATE)) / RATE
+    f0 = 120 + 60 * rng.random()
+    x = sum(np.sin(2 * np.pi * f0 * k * t + rng.random() * 6) / k for k in range(1, 6))
+    x = x * (0.5 + 0.5 * np.sin(2 * np.pi * 3 * t)) * 0.2 + rng.standard_normal(t.size) * 0.01
+    return x.astype(np.float32)
+
+
+def _wav(samples: np.ndarray, rate: int = RATE, subtype: str = "FLOAT") -> bytes:
+    buf = io.BytesIO()
+    sf.write(buf, samples, rate, format="WAV", subtype=subtype)
+    return buf.getvalue()
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_checkpoint):
+    from omni_common import torchvision_compat
+
+    torchvision_compat.install()  # the torchvision shim, before transformers loads
+    return tiny_checkpoint
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    from transformers import AutoProcessor, Qwen3OmniMoeForConditionalGeneration
+
+    model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
+    return SimpleNamespace(model=model, proc=AutoProcessor.from_pretrained(str(checkpoint)), cfg=model.config)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory, checkpoint):
+    s = Stack(StackConfig(engine="vllm", profile="omni", model=str(checkpoint), port=0, http_port=0,
+                          runtime_dir=str(tmp_path_factory.mktemp("rt")), log_level="WARNING"))
+    s.start(timeout_s=300)
+    yield s
+    assert s.stop() == []
+
+
+def _run_reference(ref, messages: list[dict], clips: list[np.ndarray], voice: str):
+    """(prompt tokens, thinker reply ids, waveform) of the reference for a conversation with audio."""
+    text = ref.proc.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    inputs = ref.proc(text=text, audio=clips, return_tensors="pt")
+    n = int(inputs["input_ids"].shape[1])
+    with torch.no_grad():
+        seqs, wav = ref.model.generate(
+            **inputs, speaker=voice, return_audio=True,
+            thinker_max_new_tokens=THINKER_TOKENS, thinker_do_sample=False,
+            thinker_eos_token_id=ref.cfg.im_end_token_id,
+            talker_do_sample=False, talker_max_new_tokens=TALKER_FRAMES + 1,
+        )
+    return n, seqs[0, n:].tolist(), wav.reshape(-1).float().numpy()
+
+
+def _part(p) -> common_pb2.ContentPart:  # noqa: ANN001
+    return common_pb2.ContentPart(text=p) if isinstance(p, str) else common_pb2.ContentPart(audio=p)
+
+
+def _generate(target: str, turns: list[tuple[str, list]], voice: str = "ethan", timeout: float = 300):
+    """Generate's final output for a conversation whose parts are text or AudioContent."""
+    with grpc.insecure_channel(target) as ch:
+        stub = gateway_pb2_grpc.OmniGatewayServiceStub(ch)
+        req = gateway_pb2.OmniGatewayServiceGenerateRequest(
+            voice=voice, output_modalities="text+audio", output_kind=gateway_pb2.OUTPUT_KIND_FINAL_ONLY,
+            messages=[common_pb2.ChatMessage(role=r, content=[_part(p) for p in parts]) for r, parts in turns],
+            sampling_params=common_pb2.SamplingParams(temperature=0, max_tokens=THINKER_TOKENS,
+                                                      max_audio_seconds=TALKER_FRAMES / 12.5))
+        return [r.output for r in stub.Generate(req, timeout=timeout)][-1]
+
+
+def _audio_of(final) -> np.ndarray:  # noqa: ANN001
+    parts = [np.frombuffer(t.tensor.inline_data, dtype="<f4") for t in final.multimodal.tensors if t.name == "audio"]
+    return np.concatenate(parts) if parts else np.zeros(0, np.float32)
+
+
+CASES = {
+    # a question asked aloud, with a text instruction after it
+    "audio then text": ([("user", ["AUDIO0", "What is said here?"])], [(1.5, 1)]),
+    # audio only, 24 kHz (resampled by the decoder), in a conversation with two clips
+    "two clips": ([("system", ["You are a helpful voice."]), ("user", ["AUDIO0"]), ("assistant", ["I heard it."]),
+                   ("user", ["Compare with this one:", "AUDIO1"])], [(1.0, 2), (2.0, 3)]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_audio_input_matches_reference(stack, reference, case):
+    turns, specs = CASES[case]
+    clips = [_clip(seconds, seed) for seconds, seed in specs]
+    sent, heard = [], []
+    for i, clip in enumerate(clips):
+        if i == 1:  # sent at 24 kHz: the decoder resamples; the reference hears the same samples
+            at24 = resample(clip, RATE, 24000)
+            sent.append(common_pb2.AudioContent(data=_wav(at24, 24000)))
+            heard.append(resample(at24, 24000, RATE))
+        else:
+            sent.append(common_pb2.AudioContent(data=_wav(clip)))
+            heard.append(clip)
+    # the decoder pads a clip to whole feature frames (160 samples): so does the reference here
+    heard = [np.pad(h, (0, -len(h) % 160)) for h in heard]
+
+    def ours(p):  # noqa: ANN001, ANN202
+        return sent[int(p[5:])] if p.startswith("AUDIO") else p
+
+    def theirs(p):  # noqa: ANN001, ANN202
+        return {"type": "audio"} if p.startswith("AUDIO") else {"type": "text", "text": p}
+
+    n_ref, ids_ref, wav_ref = _run_reference(
+        reference, [{"role": r, "content": [theirs(p) for p in parts]} for r, parts in turns], heard, "ethan")
+    final = _generate(stack.gateway_target, [(r, [ours(p) for p in parts]) for r, parts in turns])
+    assert final.finished
+    assert final.metrics.prompt_tokens == n_ref, "the prompt's tokens (audio tokens included) differ"
+    assert list(final.text.token_ids) == ids_ref, f"thinker ids differ: {list(final.text.token_ids)} vs {ids_ref}"
+    audio = _audio_of(final)
+    assert audio.shape == wav_ref.shape, (audio.shape, wav_ref.shape)
+    assert float(np.abs(audio - wav_ref).max()) <= 1e-4, "the waveform differs from the reference"
+
+
+ENCODER_TOLERANCE = 1e-5
+"""The audio tower's output on vLLM against transformers' (float32, CPU): max abs diff."""
+
+
+def test_the_audio_towers_output_matches_the_reference(checkpoint, reference):
+    """The thinker in process (vLLM), two requests with audio in one step: the
+    rows it hands the talker at audio positions (its input embeddings there:
+    the audio tower's output) equal transformers' ``get_audio_features`` of
+    each clip, within ENCODER_TOLERANCE."""
+    from decoder_svc.backend import RequestSpec
+    from decoder_svc.profile import load_profile
+    from decoder_svc.qwen3_omni.backends import THINKER_EMBED
+    from decoder_svc.qwen3_omni.engine import build_engine
+    from omni_common.media import AudioInput
+
+    clips = [_clip(1.0, 6), _clip(2.56, 7)]
+    engine = build_engine(load_profile("omni"), checkpoint, max_num_seqs=4)
+    try:
+        thinker = engine.backends["thinker"]
+        specs = [engine.prepare(RequestSpec(request_id=f"a{i}", prompt="", max_tokens=1, audio=(clip,),
+                                            messages=(("user", (AudioInput(b""), "What is it?")),)))
+                 for i, clip in enumerate(clips)]
+        for spec in specs:
+            thinker.add_request(spec)
+        rows: dict[str, torch.Tensor] = {}
+        while thinker.has_unfinished():
+            out = thinker.step()
+            if out is None or THINKER_EMBED not in out.mm_outputs:
+                continue
+            embed, _ = out.mm_outputs[THINKER_EMBED]
+            for i, rid in enumerate(out.request_ids):
+                lo, hi = int(out.query_start_loc[i]), int(out.query_start_loc[i + 1])
+                rows.setdefault(rid, embed[lo:hi])  # the prefill: every prompt position
+        assert sorted(rows) == ["a0", "a1"], "both requests prefilled"
+    finally:
+        engine.close()
+    audio_token = reference.cfg.thinker_config.audio_token_id
+    fe = reference.proc.feature_extractor
+    for spec, clip in zip(specs, clips, strict=True):
+        feats = fe([spec.audio[0]], sampling_rate=RATE, padding=True, truncation=False, return_attention_mask=True,
+                   return_tensors="pt")
+        with torch.no_grad():
+            ref = reference.model.thinker.get_audio_features(
+                feats["input_features"], feature_attention_mask=feats["attention_mask"], return_dict=True
+            ).last_hidden_state
+        at = [i for i, t in enumerate(spec.prompt_token_ids) if t == audio_token]
+        got = rows[spec.request_id][at]
+        assert got.shape == ref.shape, (got.shape, ref.shape)
+        assert float((got - ref).abs().max()) <= ENCODER_TOLERANCE, spec.request_id
+
+
+def _refused(target: str, turns, field: str, words: str) -> None:  # noqa: ANN001
+    with pytest.raises(grpc.RpcError) as err:
+        _generate(target, turns, timeout=60)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT, err.value
+    details = err.value.details()  # the gateway relays the decoder's refusal ("decoder: INVALID_ARGUMENT: ...")
+    assert f"{field}: " in details, details
+    assert words in details, details
+
+
+def test_bad_audio_is_refused_naming_the_part_and_the_stack_keeps_serving(stack):
+    target = stack.gateway_target
+    wav = _wav(_clip(1.0, 4), subtype="PCM_16")
+    ask = "What is said?"
+    cases = [
+        (common_pb2.AudioContent(data=b"this is not audio" * 20), "data", "not an audio file"),
+        (common_pb2.AudioContent(data=wav[: len(wav) // 2]), "data", "cut short"),
+        (common_pb2.AudioContent(data=wav, format="mp3"), "format", "WAV"),
+        (common_pb2.AudioContent(data=wav, format="aiff"), "format", "unknown format"),
+        (common_pb2.AudioContent(data=b"\0\0" * 100, format="pcm16"), "sample_rate", "sample rate"),
+        (common_pb2.AudioContent(data=b""), "data", "empty"),
+        (common_pb2.AudioContent(data=_wav(np.zeros(61 * RATE, np.float32))), "data", "at most 60 s"),
+    ]
+    for content, field, words in cases:
+        _refused(target, [("user", [ask, content])], f"messages[0].content[1].audio.{field}", words)
+    many = [common_pb2.AudioContent(data=wav)] * 5
+    _refused(target, [("user", many)], "messages[0].content[4].audio", "at most 4")
+    # still serving, audio included
+    final = _generate(target, [("user", [common_pb2.AudioContent(data=wav), ask])], timeout=120)
+    assert final.finished and final.text.token_ids
+
+
+def test_chat_completions_take_input_audio(stack):
+    url = f"{stack.http_url}/v1/chat/completions"
+    wav = _wav(_clip(1.0, 5), subtype="PCM_16")
+
+    def post(content: list) -> tuple[int, dict]:
+        body = {"model": "m", "max_completion_tokens": 4, "temperature": 0,
+                "messages": [{"role": "user", "content": content}]}
+        req = urllib.request.Request(url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=120) as r:
+                return r.status, json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            return e.code, json.loads(e.read())
+
+    audio_part = {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav).decode(), "format": "wav"}}
+    status, out = post([{"type": "text", "text": "What is said?"}, audio_part])
+    assert status == 200, out
+    text_only_status, text_only = post([{"type": "text", "text": "What is said?"}])
+    assert text_only_status == 200, text_only
+    # the audio's tokens count in the prompt
+    assert out["usage"]["prompt_tokens"] > text_only["usage"]["prompt_tokens"] + 5, (out["usage"], text_only["usage"])
+    bad = {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav[:2000]).decode(), "format": "wav"}}
+    status, err = post([bad])
+    assert status == 400 and err["error"]["param"] == "messages[0].content[0].input_audio.data", err
+    assert "messages[0].content[0].input_audio.data: is cut short" in err["error"]["message"], err
+    status, err = post([{"type": "input_audio", "input_audio": {"data": "not base64!", "format": "wav"}}])
+    assert status == 400 and err["error"]["param"] == "messages[0].content[0].input_audio.data", err
+    status, err = post([{"type": "input_audio", "input_audio": {"data": "", "format": "aac"}}])
+    assert status == 400 and err["error"]["param"] == "messages[0].content[0].input_audio.format", err
