@@ -30,6 +30,8 @@ class RequestSpec:
     voice: str = "default"
     task: str = "generate"  # "generate" | "embed"
     modality: OutputModality = OutputModality.AUDIO
+    # Stop sequences: the text stage's text ends where one appears (decoder_svc.stops).
+    stop: tuple[str, ...] = ()
     # Cap on the request's audio in seconds (0 = the deployment's default).
     max_audio_seconds: float = 0.0
     # Codec frames of the first audio chunk (0 = the deployment's choice).

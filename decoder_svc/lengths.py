@@ -314,6 +314,13 @@ def check_request(spec, settings: DeploymentSettings) -> None:
             f"this deployment (profile {settings.profile}) speaks its input as is: a conversation needs "
             "a text stage (a profile with a thinker, such as omni); send prompt",
         )
+    if getattr(spec, "stop", ()) and (spec.verbatim or not settings.has_text_stage):
+        raise InvalidArgumentError(
+            f"{sp}.stop",
+            "a text spoken as written has no text stage whose text a stop sequence could end"
+            if spec.verbatim else
+            f"this deployment (profile {settings.profile}) has no text stage whose text a stop sequence could end",
+        )
     seconds = float(spec.max_audio_seconds)
     _check_finite(seconds, f"{sp}.max_audio_seconds")
     if seconds < 0:

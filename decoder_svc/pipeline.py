@@ -50,6 +50,7 @@ from decoder_svc.snapshot import SnapshotMeta
 from decoder_svc.stage.assembly import build_stages, decide, uses_link
 from decoder_svc.stage.proxy import StageProcess
 from decoder_svc.stage.runner import StageRunner
+from decoder_svc.stops import StopWatch
 from omni_common.errors import InvalidArgumentError, OmniError, UnavailableError
 from omni_common.modality import OutputModality
 from omni_common.shm_arena import ShmArena
@@ -292,6 +293,8 @@ class Pipeline:
         ctx = RequestContext(spec, sink, sample_rate=self.sample_rate, audio_frames=frames)
         if spec.modality.has_multimodal:
             ctx.guard = settings.new_guard()
+        if spec.stop:  # (check_request: a deployment with a text stage, not verbatim)
+            ctx.stop_watch = StopWatch(spec.stop)
         self.requests.add(ctx)
         try:
             self.backends[first.name].add_request(spec)

@@ -19,6 +19,7 @@ import torch
 
 from decoder_svc.backend import RequestSpec
 from decoder_svc.lengths import RepetitionGuard
+from decoder_svc.stops import StopWatch
 from omni_common.errors import AlreadyExistsError, OmniError
 from omni_serving.v1 import common_pb2, decoder_pb2
 
@@ -56,6 +57,8 @@ class RequestContext:
     audio_reason: str = ""
     # frames of its first audio chunk, chosen when its first frames reach code2wav
     first_chunk_frames: int = 0
+    # its stop sequences over the text stage's steps (decoder_svc.stops; None: none)
+    stop_watch: StopWatch | None = None
 
     sample_rate: int = 24_000
 

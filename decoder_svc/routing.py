@@ -38,6 +38,7 @@ from decoder_svc.requests import RequestContext, RequestTable
 from decoder_svc.snapshot import SnapshotMeta
 from decoder_svc.stage.proxy import StageProcess
 from decoder_svc.stage.runner import StageRunner
+from decoder_svc.stops import HeldStep
 from omni_common.errors import OmniError
 from omni_common.materialize import LocalStep, client_payload, payload_tensors
 from omni_common.tensor_wire import encode_inline
@@ -112,19 +113,11 @@ class Router:
                 continue  # aborted meanwhile, or ended by the pipeline
             ctx.steps += 1
             rid = req.request_id
+            if ctx.stop_watch is not None and step.stage_id == self.ar_configs[0].stage_id:
+                self._watched(ctx, req, step.stage_id, meta, local, next_ar)
+                continue
             # 1) + 2)
-            delta = meta.text_deltas.get(rid)
-            has_client = bool(req.client) if local else bool(req.client.tensors)
-            if (delta is not None and ctx.spec.modality.has_text) or has_client:
-                resp = decoder_pb2.GenerateResponse(request_id=rid, stage_id=step.stage_id, metrics=ctx.metrics())
-                if delta is not None and ctx.spec.modality.has_text:
-                    resp.text_delta = delta
-                    resp.new_token_ids.extend(meta.new_token_ids.get(rid, ()))
-                if has_client and local:  # the only payload that becomes a message: the stream's
-                    client_payload(req.client, into=resp.multimodal_output)
-                elif has_client:
-                    resp.multimodal_output.CopyFrom(req.client)
-                ctx.sink(resp)
+            self._send(ctx, req, step.stage_id, local, meta.text_deltas.get(rid), meta.new_token_ids.get(rid, ()))
             # 3)
             if local:
                 tensors = req.inter_stage
@@ -151,35 +144,98 @@ class Router:
                             self._stream_to(next_ar, ctx)
             # 4)
             if req.finished:
-                reason = meta.finished.get(rid, STOP)
-                if reason == STOP and ctx.upstream_reason == LENGTH:
-                    reason = LENGTH  # the text the audio speaks was cut at its cap
-                if not ctx.spec.modality.has_multimodal:
-                    self._complete(ctx, decoder_pb2.GenerateResponse(request_id=rid, stage_id=step.stage_id, finished=True, finish_reason=reason))
-                elif next_ar is None:
-                    self.code2wav.finish(rid, ctx.spec.voice, reason)
+                self._finished(ctx, step.stage_id, next_ar, meta.finished.get(rid, STOP))
+
+    def _send(self, ctx: RequestContext, req, stage_id: int, local: bool,  # noqa: ANN001
+              text: str | None, ids) -> None:  # noqa: ANN001
+        """A step's text (None: none this step) and its client payloads, to the client's stream."""
+        has_client = bool(req.client) if local else bool(req.client.tensors)
+        text_out = text is not None and ctx.spec.modality.has_text
+        if not (text_out or has_client):
+            return
+        resp = decoder_pb2.GenerateResponse(request_id=ctx.spec.request_id, stage_id=stage_id, metrics=ctx.metrics())
+        if text_out:
+            resp.text_delta = text
+            resp.new_token_ids.extend(ids)
+        if has_client and local:  # the only payload that becomes a message: the stream's
+            client_payload(req.client, into=resp.multimodal_output)
+        elif has_client:
+            resp.multimodal_output.CopyFrom(req.client)
+        ctx.sink(resp)
+
+    def _finished(self, ctx: RequestContext, stage_id: int, next_ar: StageConfig | None, reason: str) -> None:
+        """A request's stage ended (``reason``): it moves on to the next AR
+        stage, to code2wav's flush, or it completes."""
+        rid = ctx.spec.request_id
+        if reason == STOP and ctx.upstream_reason == LENGTH:
+            reason = LENGTH  # the text the audio speaks was cut at its cap
+        if not ctx.spec.modality.has_multimodal:
+            self._complete(ctx, decoder_pb2.GenerateResponse(request_id=rid, stage_id=stage_id, finished=True, finish_reason=reason))
+        elif next_ar is None:
+            self.code2wav.finish(rid, ctx.spec.voice, reason)
+        else:
+            ctx.upstream_reason = reason
+            if not ctx.handovers:
+                if ctx.upstream_tokens < getattr(self.backends[next_ar.name], "min_input_tokens", 0):
+                    # the reply says nothing the next stage could speak: the
+                    # request ends with its text and no audio
+                    ctx.handoff.clear()
+                    self.emit_audio(rid, np.zeros(0, dtype=np.float32), True, reason)
                 else:
-                    ctx.upstream_reason = reason
-                    if not ctx.handovers:
-                        if ctx.upstream_tokens < getattr(self.backends[next_ar.name], "min_input_tokens", 0):
-                            # the reply says nothing the next stage could speak: the
-                            # request ends with its text and no audio
-                            ctx.handoff.clear()
-                            self.emit_audio(rid, np.zeros(0, dtype=np.float32), True, reason)
-                        else:
-                            self._hand_to(next_ar, ctx)
-                        continue
-                    # started from an earlier chunk: the rest, and the end -- or,
-                    # when the audio already ended (its cap), the request completes
-                    with self.requests.lock:
-                        ctx.upstream_open = False
-                        audio_reason = ctx.audio_reason
-                    if not audio_reason:
-                        self._stream_to(next_ar, ctx, finished=True)
-                    else:
-                        if audio_reason == STOP and reason == LENGTH:
-                            audio_reason = LENGTH
-                        self.emit_audio(rid, np.zeros(0, dtype=np.float32), True, audio_reason)
+                    self._hand_to(next_ar, ctx)
+                return
+            # started from an earlier chunk: the rest, and the end -- or,
+            # when the audio already ended (its cap), the request completes
+            with self.requests.lock:
+                ctx.upstream_open = False
+                audio_reason = ctx.audio_reason
+            if not audio_reason:
+                self._stream_to(next_ar, ctx, finished=True)
+            else:
+                if audio_reason == STOP and reason == LENGTH:
+                    audio_reason = LENGTH
+                self.emit_audio(rid, np.zeros(0, dtype=np.float32), True, audio_reason)
+
+    def _watched(self, ctx: RequestContext, req, stage_id: int, meta: SnapshotMeta,  # noqa: ANN001
+                 local: bool, next_ar: StageConfig | None) -> None:
+        """A step of a request with stop sequences on its text stage
+        (``decoder_svc.stops``): text and the next stage's rows go on only
+        once no stop sequence can cut them; a stop ends the stage's request."""
+        watch = ctx.stop_watch
+        assert watch is not None
+        if watch.stopped:
+            return  # a step in flight when the stop was found
+        rid = ctx.spec.request_id
+        if local:
+            tensors = {k: t.clone() for k, t in req.inter_stage.items()}
+        else:
+            tensors = payload_tensors(req.inter_stage) if req.inter_stage.tensors else {}
+        released = watch.push(HeldStep(meta.text_deltas.get(rid) or "", tuple(meta.new_token_ids.get(rid, ())),
+                                       tensors))
+        if req.finished and not watch.stopped:
+            released += watch.flush()
+        text = "".join(s.text for s in released)
+        ids = [t for s in released[:-1] for t in s.ids]
+        if released and (released[-1].text or not watch.stopped):  # the token a stop begins in, if it kept text
+            ids += released[-1].ids
+        self._send(ctx, req, stage_id, local, text if released else None, ids)
+        if next_ar is not None and not ctx.audio_reason:
+            for s in released:
+                if s.tensors:
+                    ctx.upstream_tokens += 1
+                    for key, t in s.tensors.items():
+                        ctx.handoff.setdefault(key, []).append(t)
+            if released and self._streamed[next_ar.stage_id] and not req.finished and not watch.stopped:
+                self._stream_to(next_ar, ctx)
+        if watch.stopped:
+            stage = next(s for s in self.ar_configs if s.stage_id == stage_id)
+            try:
+                self.backends[stage.name].abort(rid)  # the text ends here
+            except Exception:  # noqa: BLE001 -- the request goes on without it
+                logger.exception("stage %s: stopping request %s at its stop sequence failed", stage.name, rid)
+            self._finished(ctx, stage_id, next_ar, STOP)
+        elif req.finished:
+            self._finished(ctx, stage_id, next_ar, meta.finished.get(rid, STOP))
 
     def _loops(self, guard: RepetitionGuard, codes: np.ndarray) -> bool:
         """Feed a request's new frames (codebook 0; end-of-speech rows left

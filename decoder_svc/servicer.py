@@ -31,6 +31,7 @@ from omni_common.errors import (
 )
 from omni_common.liveness import Watchdog
 from omni_common.modality import OutputModality
+from omni_common.stop_strings import check_stops
 from omni_common.tensor_wire import encode_inline
 from omni_serving.v1 import common_pb2, decoder_pb2, decoder_pb2_grpc
 
@@ -103,6 +104,7 @@ def spec_from_pb(
         modality=modality,
         max_audio_seconds=sp.max_audio_seconds,
         first_chunk_frames=sp.first_chunk_frames,
+        stop=check_stops(sp.stop),
         instructions=req.instructions.strip(),
         verbatim=req.verbatim,
     )

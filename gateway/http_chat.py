@@ -12,7 +12,7 @@ the prompt, which it speaks.
 
 Fields, as OpenAI names them (a field of the wrong type is a 400 naming
 it; so is a field this route does not know, as OpenAI's own API answers
-one, and one of OpenAI's fields that it does not implement -- ``stop``,
+one, and one of OpenAI's fields that it does not implement --
 ``tools``, ``logprobs``, ``response_format``, penalties and the rest of
 ``CHAT_UNSERVED`` -- unless its value asks for nothing, e.g. ``"logprobs":
 false``; nothing is silently ignored): ``messages``,
@@ -23,7 +23,8 @@ one the deployment cannot produce is a 400 naming ``modalities``),
 ``wav`` or ``pcm16``, and ``pcm16`` when streaming, as OpenAI requires),
 ``stream``, ``stream_options.include_usage``, ``max_completion_tokens`` /
 ``max_tokens`` (the former wins), ``temperature``, ``top_p``, ``seed``,
-``n`` (1 only); ``user``, ``safety_identifier``, ``metadata``,
+``n`` (1 only), ``stop`` (a string or up to 4: the text and its speech end
+where one begins; ``SamplingParams.stop``); ``user``, ``safety_identifier``, ``metadata``,
 ``prompt_cache_key`` and ``parallel_tool_calls`` are accepted and change
 nothing. Without ``temperature`` the model's own sampling defaults
 apply (``model_defaults``), so ``seed`` picks one of its random outputs.
@@ -88,6 +89,7 @@ from gateway.validation import (
 from omni_common.conversation import Turn, conversation_from_pb, turn_text
 from omni_common.errors import InvalidArgumentError, quote_value
 from omni_common.modality import OutputModality
+from omni_common.stop_strings import check_stops
 from omni_serving.v1 import common_pb2
 
 logger = logging.getLogger(__name__)
@@ -108,7 +110,7 @@ DEFAULT_FINISH_REASON = "stop"
 CHAT_FIELDS = frozenset({
     "messages", "model", "audio", "modalities", "max_completion_tokens", "max_tokens", "n", "seed", "stream",
     "stream_options", "temperature", "top_p", "user", "safety_identifier", "metadata", "prompt_cache_key",
-    "parallel_tool_calls",
+    "parallel_tool_calls", "stop",
 })
 
 
@@ -123,7 +125,6 @@ def _never(value: object) -> bool:
 # OpenAI's fields this route does not implement: a 400 naming the field unless
 # its value asks for nothing
 CHAT_UNSERVED = {
-    "stop": Unserved(lambda v: v == [], "stop sequences are not implemented"),
     "tools": Unserved(lambda v: v == [], "tool calls are not implemented"),
     "tool_choice": Unserved(lambda v: v == "none", 'tool calls are not implemented (only "none")'),
     "functions": Unserved(lambda v: v == [], "function calls are not implemented"),
@@ -329,6 +330,14 @@ def _sampling(body: Mapping[str, object]) -> tuple[common_pb2.SamplingParams, st
     if seed is not None:
         assert isinstance(seed, int)
         sampling.seed = check_seed(seed)
+    stop = json_field(body, "stop", (str, list), None)
+    if stop is not None:  # a string or an array of strings, as OpenAI takes it
+        stops = [stop] if isinstance(stop, str) else stop
+        assert isinstance(stops, list)
+        for i, s in enumerate(stops):
+            if not isinstance(s, str):
+                raise InvalidArgumentError(f"stop[{i}]", f"must be a string, got {json_type_name(s)}")
+        sampling.stop.extend(check_stops(stops, "stop"))
     return sampling, tokens_field
 
 

@@ -47,6 +47,7 @@ from omni_common.conversation import (
 )
 from omni_common.errors import InvalidArgumentError, ResourceExhaustedError, quote_value
 from omni_common.modality import OutputModality
+from omni_common.stop_strings import check_stops
 from omni_common.voices import resolve_voice
 from omni_serving.v1 import common_pb2, decoder_pb2, gateway_pb2
 
@@ -224,6 +225,7 @@ def check_sampling_params(
             f"{field}.max_audio_seconds",
             f"must be >= 0 (0 = the deployment's default), got {params.max_audio_seconds:g}",
         )
+    check_stops(params.stop, f"{field}.stop")
     return params
 
 
@@ -288,6 +290,13 @@ def check_against_decoder(
     if sampling_params is None:
         return
     limits = info.limits
+    if sampling_params.stop and (verbatim or not info.supports_instructions):  # (a text stage)
+        raise InvalidArgumentError(
+            f"{field}.stop",
+            "speech speaks the text as written: there is no text for a stop sequence to end" if verbatim else
+            f"this deployment (profile {info.profile or 'unknown'}) has no text stage whose text a stop "
+            "sequence could end",
+        )
     if limits.max_audio_seconds and sampling_params.max_audio_seconds > limits.max_audio_seconds:
         raise InvalidArgumentError(
             f"{field}.max_audio_seconds",

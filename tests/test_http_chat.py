@@ -427,8 +427,6 @@ def test_bad_fields_are_400_naming_them(gateway, body: dict, param: str) -> None
     "extra, param",
     [
         ({"a_future_field": [1, 2]}, "a_future_field"),
-        ({"stop": ["\n"]}, "stop"),
-        ({"stop": "END"}, "stop"),
         ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
         ({"tool_choice": "required"}, "tool_choice"),
         ({"logprobs": True}, "logprobs"),
@@ -464,6 +462,35 @@ def test_fields_at_values_that_ask_for_nothing_are_accepted(gateway) -> None:
              "parallel_tool_calls": True, "prompt_cache_key": "k", "safety_identifier": "s", "verbosity": None}
     status, content = post(gw.http_port, {"model": "m", "messages": USER, **inert})
     assert status == 200, content
+
+
+@pytest.mark.parametrize("stop, param", [(5, "stop"), ([1], "stop[0]"), ([""], "stop[0]"), (["a"] * 5, "stop"),
+                                         (["x" * 129], "stop[0]")])
+def test_bad_stop_sequences_are_400_naming_them(gateway, stop: object, param: str) -> None:
+    gw, fake = gateway
+    before = len(fake.state.requests)
+    status, content = post(gw.http_port, {"model": "m", "messages": USER, "stop": stop})
+    assert status == 400, content
+    assert json.loads(content)["error"]["param"] == param, content
+    assert len(fake.state.requests) == before, "a refused request reached the decoder"
+
+
+def test_stop_sequences_reach_the_decoder_where_a_text_stage_reads_them(sock_dir: Path) -> None:
+    """A string or an array, as OpenAI takes them: the decoder's
+    sampling_params.stop; refused (400 naming stop) without a text stage."""
+    for text_stage, stop, sent in ((True, "END", ["END"]), (True, ["a", "b c"], ["a", "b c"]), (False, "END", None)):
+        with (
+            FakeDecoder(sock_dir / "decoder.sock", FakeDecoderConfig(num_chunks=2,
+                                                                     supports_instructions=text_stage)) as fake,
+            GatewayThread(fake.target, sock_dir, http_host="127.0.0.1", http_port=0) as gw,
+        ):
+            status, content = post(gw.http_port, {"model": "m", "messages": USER, "stop": stop})
+            if sent is None:
+                assert status == 400 and json.loads(content)["error"]["param"] == "stop", content
+                assert not fake.state.requests
+            else:
+                assert status == 200, content
+                assert list(fake.state.requests[-1].sampling_params.stop) == sent
 
 
 def test_a_conversation_reaches_the_decoder_turn_by_turn(sock_dir: Path) -> None:

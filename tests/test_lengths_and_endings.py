@@ -278,6 +278,43 @@ def test_text_only_on_omni_returns_the_thinkers_text_and_no_audio(stack: Stack) 
     assert len("".join(o.text.text for o in outs)) == 3 and outs[-1].finish_reason == "length"
 
 
+def test_a_stop_sequence_ends_the_text_and_its_speech(stack: Stack) -> None:
+    """The fake thinker writes one character per token: the text ends where
+    the sequence begins, and the talker is handed the tokens before it (and
+    the one it begins in, as the reply's unspoken last): 4 + 2 x tokens frames."""
+    prompt = "tell me a story"
+    full = "".join(o.text.text for o in generate(stack.omni_gateway, prompt, "text", seed=4))
+    stop = full[6:9]
+    at = full.find(stop)
+    outs = generate(stack.omni_gateway, prompt, "text+audio", seed=4, stop=["never: 0", stop])
+    assert "".join(o.text.text for o in outs) == full[:at]
+    assert outs[-1].finish_reason == "stop"
+    assert generate_samples(outs) == (4 + 2 * (at + 1)) * SPF
+    text_only = generate(stack.omni_gateway, prompt, "text", seed=4, stop=[stop])
+    assert "".join(o.text.text for o in text_only) == full[:at]
+    assert sum(len(o.text.token_ids) for o in text_only) == at  # the token the stop begins in kept no text
+    assert text_only[-1].finish_reason == "stop"
+    # a sequence that never appears changes nothing
+    outs = generate(stack.omni_gateway, prompt, "text+audio", seed=4, stop=["0"])
+    assert "".join(o.text.text for o in outs) == full and generate_samples(outs) == (4 + 2 * len(full)) * SPF
+
+
+def test_stop_sequences_are_refused_where_no_text_stage_reads_them(stack: Stack) -> None:
+    err = refused(lambda: generate(stack.tts_gateway, "hello there", "audio", stop=["x"]))
+    assert "sampling_params.stop: this deployment (profile tts) has no text stage" in err.details()
+    err = refused(lambda: speak(stack.omni_gateway, "hello there", stop=["x"]))
+    assert "sampling_params.stop: speech speaks the text as written" in err.details()
+    for stops, field in [(["a", "b", "c", "d", "e"], "sampling_params.stop"), (["ok", ""], "sampling_params.stop[1]")]:
+        err = refused(lambda stops=stops: generate(stack.omni_gateway, "hello", "text", stop=stops))
+        assert err.details().startswith(f"{field}: "), err.details()
+        err = refused(lambda stops=stops: decoder_generate(
+            stack.omni_decoder, request_id="r", prompt="hello", sampling_params=common_pb2.SamplingParams(stop=stops)))
+        assert err.details().startswith(f"{field}: "), err.details()
+    err = refused(lambda: decoder_generate(stack.omni_decoder, request_id="r", prompt="hello", verbatim=True,
+                                           sampling_params=common_pb2.SamplingParams(stop=["x"])))
+    assert err.details().startswith("sampling_params.stop: a text spoken as written"), err.details()
+
+
 # ---------------------------------------------------------------------------
 # The runaway guard.
 

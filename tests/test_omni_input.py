@@ -1,17 +1,21 @@
-"""Audio into the thinker: a conversation's audio parts, served and checked.
+"""What a conversation asks of the thinker, served and checked: audio parts and stop sequences.
 
 On the tiny checkpoint (its audio tower in the released layout), an omni
 stack on vLLM takes audio parts (gRPC ``ContentPart.audio``, HTTP chat
-``input_audio``):
+``input_audio``) and stop sequences (``SamplingParams.stop``, chat ``stop``):
 
 - parity with the reference: transformers' processor and
   ``Qwen3OmniMoeForConditionalGeneration.generate(return_audio=True)`` fed
   the same samples give the same greedy thinker ids and the same waveform
   (max abs diff <= 1e-4); the served prompt's token count (audio tokens
-  included) is the reference processor's;
+  included) is the reference processor's; the audio tower's output matches
+  ``get_audio_features``;
 - bad audio (corrupt, cut short, a format named wrongly, too long, too many
   parts, on a deployment that reads none) is refused with INVALID_ARGUMENT /
-  400 naming the part's field, and the stack keeps serving.
+  400 naming the part's field, and the stack keeps serving;
+- a stop sequence ends the text where it begins, and the speech equals the
+  reference speaking the reply cut there (its thinker's reply fixed to the
+  tokens before the sequence and the one it begins in, never spoken).
 """
 
 from __future__ import annotations
@@ -199,7 +203,7 @@ def test_the_audio_towers_output_matches_the_reference(checkpoint, reference):
         engine.close()
     audio_token = reference.cfg.thinker_config.audio_token_id
     fe = reference.proc.feature_extractor
-    for spec, clip in zip(specs, clips, strict=True):
+    for spec in specs:
         feats = fe([spec.audio[0]], sampling_rate=RATE, padding=True, truncation=False, return_attention_mask=True,
                    return_tensors="pt")
         with torch.no_grad():
@@ -272,3 +276,41 @@ def test_chat_completions_take_input_audio(stack):
     assert status == 400 and err["error"]["param"] == "messages[0].content[0].input_audio.data", err
     status, err = post([{"type": "input_audio", "input_audio": {"data": "", "format": "aac"}}])
     assert status == 400 and err["error"]["param"] == "messages[0].content[0].input_audio.format", err
+
+
+def test_a_stop_sequence_ends_the_text_and_the_speech_where_it_begins(stack, reference):
+    from tests.test_parity import _run_reference
+
+    tok = reference.proc.tokenizer
+    text_prompt = "Hello world, this is a test."
+
+    def served(modalities: str, stop: list[str]):  # noqa: ANN202
+        with grpc.insecure_channel(stack.gateway_target) as ch:
+            req = gateway_pb2.OmniGatewayServiceGenerateRequest(
+                prompt=text_prompt, voice="ethan", output_modalities=modalities,
+                output_kind=gateway_pb2.OUTPUT_KIND_FINAL_ONLY,
+                sampling_params=common_pb2.SamplingParams(temperature=0, max_tokens=16, stop=stop,
+                                                          max_audio_seconds=TALKER_FRAMES / 12.5))
+            return [r.output for r in gateway_pb2_grpc.OmniGatewayServiceStub(ch).Generate(req, timeout=300)][-1]
+
+    whole = served("text", [])
+    ids, text = list(whole.text.token_ids), whole.text.text
+    ends = [len(tok.decode(ids[: j + 1], skip_special_tokens=True)) for j in range(len(ids))]
+    assert ends[-1] == len(text) and len(ids) >= 8, (ids, text)
+    # a sequence that begins inside a token (its second character) and spans the next ones
+    k0 = next(j for j in range(3, len(ids) - 2) if ends[j] - ends[j - 1] >= 2)
+    stop = text[ends[k0 - 1] + 1: ends[k0 + 1] + 1]
+    at = text.find(stop)
+    k = next(j for j in range(len(ids)) if ends[j] > at)  # the token the sequence begins in
+    text_only = served("text", [stop])
+    assert text_only.finish_reason == "stop" and text_only.text.text == text[:at], (text_only.text.text, text, stop)
+    cut = served("text+audio", ["never-here", stop])  # (its finish reason is the speech's: it may reach its cap)
+    assert cut.text.text == text[:at], (cut.text.text, text[:at])
+    assert list(cut.text.token_ids) == ids[: k + 1 if at > (ends[k - 1] if k else 0) else k]
+    rendered = tok.apply_chat_template([{"role": "user", "content": text_prompt}], add_generation_prompt=True,
+                                       tokenize=True)
+    prompt_ids = list(rendered if isinstance(rendered, list) else rendered["input_ids"])
+    _, _, wav_ref = _run_reference(reference, prompt_ids, "ethan", TALKER_FRAMES + 1, 0, ids[: k + 1])
+    audio = _audio_of(cut)
+    assert audio.shape == wav_ref.shape, (audio.shape, wav_ref.shape)
+    assert float(np.abs(audio - wav_ref.numpy()).max()) <= 1e-4, "the speech of the cut reply differs"
