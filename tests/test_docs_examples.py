@@ -16,6 +16,7 @@ from __future__ import annotations
 import base64
 import io
 import json
+import math
 import re
 import subprocess
 import sys
@@ -110,10 +111,26 @@ def test_the_speech_examples_run_as_written(stack, tmp_path):
 
 def test_the_chat_examples_run_as_written(stack, tmp_path):
     blocks = section_blocks(CHAT_SECTION)
-    (shell,) = [code for info, code in blocks if "curl " in code]
+    (shell,) = [code for info, code in blocks if "curl " in code and "input_audio" not in code]
+    (asked_aloud,) = [code for info, code in blocks if "curl " in code and "input_audio" in code]
     (python,) = [code for info, code in blocks if info == "python"]
-    assert DOC_URL in shell and DOC_URL in python, "the examples' address changed: update DOC_URL"
+    assert DOC_URL in shell and DOC_URL in python and DOC_URL in asked_aloud, \
+        "the examples' address changed: update DOC_URL"
     before = stage_steps(stack)
+
+    # the question asked aloud: the example reads question.wav (a 16-bit WAV, here 1.5 s of a tone)
+    with wave.open(str(tmp_path / "question.wav"), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(16000)
+        w.writeframes(b"".join(int(8000 * math.sin(i / 16000 * 2 * math.pi * 220)).to_bytes(2, "little", signed=True)
+                               for i in range(24000)))
+    run = subprocess.run(["bash", "-euo", "pipefail", "-c", asked_aloud.replace(DOC_URL, stack.http_url)],
+                         cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    answer = json.loads(run.stdout)
+    assert answer["choices"][0]["message"]["content"], answer
+    assert answer["usage"]["prompt_tokens"] > 19, answer["usage"]  # 1.5 s of audio: 20 audio tokens alone
 
     run = subprocess.run(["bash", "-euo", "pipefail", "-c", shell.replace(DOC_URL, stack.http_url)],
                          cwd=tmp_path, capture_output=True, text=True, timeout=300)
