@@ -851,3 +851,45 @@ def test_after_first_chunks_the_request_closest_to_running_dry_goes_next():
     assert next_request([old, young, newest], now=103.0) is newest
     assert next_request([newest, young, newer], now=103.0) is newer
     assert next_request([dry_idle], now=103.0) is None
+
+
+@pytest.mark.parametrize("where", ["thread", "process"])
+def test_stop_drops_the_queued_chunks_and_ends_after_the_one_being_decoded(prefix, tmp_path, where):
+    """Stop while the worker is busy (a gated chunk) with chunks of other
+    requests queued behind it: once the gated chunk is done the worker ends,
+    without decoding the queued ones (the decoder's stop ends their requests
+    with "shutdown": their audio would go nowhere). A worker process exits by
+    itself (exit code 0), not killed at the stop timeout."""
+    gate, entered = tmp_path / "gate", tmp_path / "entered"
+    voc = FakeGatedVocoderFactory(str(gate), str(entered), num_codebooks=Q, codec_vocab=V,
+                                  left_context=gen_config().codec_left_context_frames)
+    col = Collector()
+    if where == "thread":
+        stage = Code2WavWorker(gen_config(), col.emit, vocoder=voc, on_error=col.on_error)
+    else:
+        stage = pool(col, prefix, workers=1, vocoder=voc, stop_timeout_s=60.0)
+    stage.start()
+    rng = np.random.default_rng(11)
+    try:
+        if where == "process":
+            assert stage.wait_ready(READY_S), "the worker did not come up"
+        stage.frames("gated", "fable", rng.integers(0, V, size=(8, Q), dtype=np.int64))
+        deadline = time.monotonic() + 60
+        while not entered.exists():
+            assert time.monotonic() < deadline, "the gated chunk never started"
+            time.sleep(0.01)
+        queued = [f"q{i}" for i in range(12)]
+        for rid in queued:
+            stage.frames(rid, "echo", rng.integers(0, V, size=(8, Q), dtype=np.int64))
+            stage.finish(rid, "echo", "stop")
+        time.sleep(0.2)  # the queued chunks have reached the worker (the process's receive thread)
+    finally:
+        stopper = threading.Thread(target=stage.stop)
+        stopper.start()
+        time.sleep(0.2)
+        gate.touch()  # the chunk being decoded finishes; the stop goes on
+        stopper.join(60)
+        assert not stopper.is_alive(), "stop did not return"
+    assert not any(rid in col.chunks for rid in queued), "queued chunks were decoded after the stop"
+    if where == "process":
+        assert all(w.process.exitcode == 0 for w in stage._workers), [w.process.exitcode for w in stage._workers]

@@ -298,11 +298,13 @@ def run_chunks(
     ready set (`take`), which decides the chunks decoded next (one turn:
     up to ``max_batch`` requests' next chunks in one vocoder call); the loop waits
     only when nothing is ready (`idle` first). A None item means stop:
-    decode what was sent, then return. A failing chunk fails its request
-    (`fail`, called inside the handler) and the others go on."""
-    stopping = False
+    return at once, dropping what is still queued (the decoder stops after
+    its drain: the requests still running end with finish reason
+    "shutdown", so their audio would go nowhere; a long queue would only
+    delay the stop). A failing chunk fails its request (`fail`, called
+    inside the handler) and the others go on."""
     while True:
-        while not stopping:
+        while True:
             if core.queued:
                 try:
                     item = inbox.get_nowait()
@@ -312,13 +314,9 @@ def run_chunks(
                 idle()
                 item = inbox.get()
             if item is None:
-                stopping = True
-            else:
-                take(item)
-        rids = core.next_batch()
-        if not rids:
-            if stopping:
                 return
-            continue
-        core.decode_turn(rids, emit, fail)
+            take(item)
+        rids = core.next_batch()
+        if rids:
+            core.decode_turn(rids, emit, fail)
 

@@ -8,7 +8,7 @@ decoder -> worker, in batches (a list per pipe write, in order):
   in time, or the frames do not fit one);
 - :class:`Finish`: the request's frames are all there (its finish reason);
 - :class:`Abort`: forget the request (and drop its later items);
-- :class:`Stop`: decode what was sent, then end.
+- :class:`Stop`: end after the chunk being decoded (what is queued is dropped).
 
 worker -> decoder, one per pipe write:
 

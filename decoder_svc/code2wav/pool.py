@@ -256,8 +256,9 @@ class Code2WavProcessPool:
             raise
 
     def stop(self) -> None:
-        """Let the workers finish what was sent (bounded: stop_timeout_s),
-        kill those still running, and remove the arena."""
+        """Stop the workers (each ends after the chunk it is decoding, what is
+        still queued dropped: ``run_chunks``; bounded: stop_timeout_s), kill
+        those still running, and remove the arena."""
         with self._lock:
             if self._stopping:
                 return

@@ -70,7 +70,7 @@ class Code2WavWorker:
         self._thread.start()
 
     def stop(self) -> None:
-        """Decode what was sent, then end."""
+        """End after the chunk being decoded (what is still queued is dropped: ``run_chunks``)."""
         self._queue.put(None)
         self._thread.join(timeout=30)
         self._report()
