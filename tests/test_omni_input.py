@@ -178,12 +178,18 @@ def test_the_audio_towers_output_matches_the_reference(checkpoint, reference):
     from decoder_svc.profile import load_profile
     from decoder_svc.qwen3_omni.backends import THINKER_EMBED
     from decoder_svc.qwen3_omni.engine import build_engine
+    from decoder_svc.vllm_engine.engine_factory import get_model_runner
     from omni_common.media import AudioInput
 
     clips = [_clip(1.0, 6), _clip(2.56, 7)]
     engine = build_engine(load_profile("omni"), checkpoint, max_num_seqs=4)
     try:
         thinker = engine.backends["thinker"]
+        # the thinker's M-RoPE lays the T/H/W sections out interleaved, as the
+        # reference does (the checkpoint's mrope_interleaved; it matters for
+        # image positions, whose three coordinates differ)
+        rope = get_model_runner(thinker.engine).model.language_model.model.layers[0].self_attn.rotary_emb
+        assert (rope.mrope_section, rope.mrope_interleaved) == ([12, 10, 10], True)
         specs = [engine.prepare(RequestSpec(request_id=f"a{i}", prompt="", max_tokens=1, audio=(clip,),
                                             messages=(("user", (AudioInput(b""), "What is it?")),)))
                  for i, clip in enumerate(clips)]

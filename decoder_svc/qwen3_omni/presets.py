@@ -27,7 +27,8 @@ __all__ = ["RELEASED_LAYERS", "ConfigCheckpoint", "released_config"]
 # The released depths (config.json of Qwen3-Omni-30B-A3B-Instruct).
 RELEASED_LAYERS = {"thinker": 48, "talker": 20, "code_predictor": 5, "code2wav": 8, "audio": 32, "vision": 27}
 
-_ROPE_TEXT = {"rope_type": "default", "rope_theta": 1_000_000, "mrope_section": [24, 20, 20], "interleaved": True}
+_ROPE_TEXT = {"rope_type": "default", "rope_theta": 1_000_000, "mrope_section": [24, 20, 20], "interleaved": True,
+              "mrope_interleaved": True}
 
 _RELEASED: dict[str, Any] = {
     "architectures": ["Qwen3OmniMoeForConditionalGeneration"],

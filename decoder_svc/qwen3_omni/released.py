@@ -52,7 +52,7 @@ __all__ = [
 ]
 
 # Bumped whenever what create_released_checkpoint writes changes.
-RELEASED_FORMAT = 2
+RELEASED_FORMAT = 3
 
 # The released tokenizer's added tokens, ids 151643 ... 151675 in this order
 # (the ones the configuration names: im_start/end, vision, audio, tts_*).

@@ -33,7 +33,7 @@ from typing import Any
 __all__ = ["create_tiny_checkpoint", "TINY_FORMAT", "SPECIAL_TOKENS", "SPEAKERS", "CHAT_TEMPLATE"]
 
 # Bumped whenever the tiny checkpoint's content changes (the model cache keys on it).
-TINY_FORMAT = 3
+TINY_FORMAT = 4
 
 # Token ids 0.. in this order (the BPE trainer assigns special tokens first).
 SPECIAL_TOKENS: tuple[str, ...] = (
@@ -155,7 +155,11 @@ def _tokenizer():
 def _config():
     from transformers import Qwen3OmniMoeConfig
 
-    rope = {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [12, 10, 10], "interleaved": True}
+    # as released: the key vLLM reads is mrope_interleaved (without it, vLLM's
+    # thinker would lay the T/H/W sections out unlike the reference: image
+    # positions differ; text and audio positions, equal in all three, do not)
+    rope = {"rope_type": "default", "rope_theta": 1_000_000.0, "mrope_section": [12, 10, 10], "interleaved": True,
+            "mrope_interleaved": True}
     thinker = {
         "text_config": {
             "vocab_size": VOCAB_SIZE,
