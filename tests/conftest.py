@@ -42,3 +42,20 @@ def tiny_checkpoint(tmp_path_factory) -> Path:
     from decoder_svc.qwen3_omni.tiny import create_tiny_checkpoint
 
     return create_tiny_checkpoint(tmp_path_factory.mktemp("tiny-ckpt") / "qwen3-omni-tiny")
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tiny_checkpoint) -> Path:
+    """The tiny checkpoint, the torchvision shim installed first (the parity
+    tests load transformers' reference beside it). Modules may define their own."""
+    from tests.reference_model import with_shim
+
+    return with_shim(tiny_checkpoint)
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoint):
+    """transformers' Qwen3-Omni-MoE on ``checkpoint`` in float32 (tests/reference_model.py)."""
+    from tests.reference_model import load_reference
+
+    return load_reference(checkpoint)

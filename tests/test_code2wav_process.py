@@ -760,6 +760,20 @@ def first_waits() -> float:
     return REGISTRY.get_sample_value("omni_decoder_code2wav_first_chunk_wait_seconds_count") or 0.0
 
 
+def gated_stage(where: str, prefix: str, tmp_path, **pool_kw):  # noqa: ANN001, ANN201
+    """A code2wav stage (a thread worker, or a pool of one worker process) on
+    the gated fake vocoder: a chunk of the voice "fable" holds the worker
+    until the file `gate` exists (it creates `entered` first). Returns
+    (stage, collector, gate, entered); not started."""
+    gate, entered = tmp_path / "gate", tmp_path / "entered"
+    voc = FakeGatedVocoderFactory(str(gate), str(entered), num_codebooks=Q, codec_vocab=V,
+                                  left_context=gen_config().codec_left_context_frames)
+    col = Collector()
+    if where == "thread":
+        return Code2WavWorker(gen_config(), col.emit, vocoder=voc, on_error=col.on_error), col, gate, entered
+    return pool(col, prefix, workers=1, vocoder=voc, **pool_kw), col, gate, entered
+
+
 @pytest.mark.parametrize("where", ["thread", "process"])
 def test_a_new_requests_first_chunk_goes_before_the_queued_later_chunks_of_others(prefix, tmp_path, where):
     """The worker is busy (a gated chunk); meanwhile later chunks of running
@@ -767,14 +781,7 @@ def test_a_new_requests_first_chunk_goes_before_the_queued_later_chunks_of_other
     request is aborted. Once the worker is free, the new request's first chunk
     goes first (in arrival order it would be last), the aborted request's
     queued chunks never; each request's audio is the in-order decode's."""
-    gate, entered = tmp_path / "gate", tmp_path / "entered"
-    voc = FakeGatedVocoderFactory(str(gate), str(entered), num_codebooks=Q, codec_vocab=V,
-                                  left_context=gen_config().codec_left_context_frames)
-    col = Collector()
-    if where == "thread":
-        stage = Code2WavWorker(gen_config(), col.emit, vocoder=voc, on_error=col.on_error)
-    else:
-        stage = pool(col, prefix, workers=1, vocoder=voc)
+    stage, col, gate, entered = gated_stage(where, prefix, tmp_path)
     rng = np.random.default_rng(8)
     calls = []
 
@@ -860,14 +867,7 @@ def test_stop_drops_the_queued_chunks_and_ends_after_the_one_being_decoded(prefi
     without decoding the queued ones (the decoder's stop ends their requests
     with "shutdown": their audio would go nowhere). A worker process exits by
     itself (exit code 0), not killed at the stop timeout."""
-    gate, entered = tmp_path / "gate", tmp_path / "entered"
-    voc = FakeGatedVocoderFactory(str(gate), str(entered), num_codebooks=Q, codec_vocab=V,
-                                  left_context=gen_config().codec_left_context_frames)
-    col = Collector()
-    if where == "thread":
-        stage = Code2WavWorker(gen_config(), col.emit, vocoder=voc, on_error=col.on_error)
-    else:
-        stage = pool(col, prefix, workers=1, vocoder=voc, stop_timeout_s=60.0)
+    stage, col, gate, entered = gated_stage(where, prefix, tmp_path, stop_timeout_s=60.0)
     stage.start()
     rng = np.random.default_rng(11)
     try:

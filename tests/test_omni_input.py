@@ -25,7 +25,6 @@ import io
 import json
 import urllib.error
 import urllib.request
-from types import SimpleNamespace
 
 import grpc
 import numpy as np
@@ -35,8 +34,8 @@ import torch
 
 from omni_common.media import resample
 from omni_serving.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
-from omni_stack.config import StackConfig
-from omni_stack.stack import Stack
+from tests.test_parity import _run_reference as _run_fixed_reply  # the reference with a given reply
+from tests.test_parity import _stack
 
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.parity, pytest.mark.vllm, pytest.mark.e2e]
@@ -63,26 +62,8 @@ def _wav(samples: np.ndarray, rate: int = RATE, subtype: str = "FLOAT") -> bytes
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tiny_checkpoint):
-    from omni_common import torchvision_compat
-
-    torchvision_compat.install()  # the torchvision shim, before transformers loads
-    return tiny_checkpoint
-
-
-@pytest.fixture(scope="module")
-def reference(checkpoint):
-    from transformers import AutoProcessor, Qwen3OmniMoeForConditionalGeneration
-
-    model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
-    return SimpleNamespace(model=model, proc=AutoProcessor.from_pretrained(str(checkpoint)), cfg=model.config)
-
-
-@pytest.fixture(scope="module")
 def stack(tmp_path_factory, checkpoint):
-    s = Stack(StackConfig(engine="vllm", profile="omni", model=str(checkpoint), port=0, http_port=0,
-                          runtime_dir=str(tmp_path_factory.mktemp("rt")), log_level="WARNING"))
-    s.start(timeout_s=300)
+    s = _stack(tmp_path_factory, checkpoint, "omni", False)
     yield s
     assert s.stop() == []
 
@@ -285,8 +266,6 @@ def test_chat_completions_take_input_audio(stack):
 
 
 def test_a_stop_sequence_ends_the_text_and_the_speech_where_it_begins(stack, reference):
-    from tests.test_parity import _run_reference
-
     tok = reference.proc.tokenizer
     text_prompt = "Hello world, this is a test."
 
@@ -316,7 +295,7 @@ def test_a_stop_sequence_ends_the_text_and_the_speech_where_it_begins(stack, ref
     rendered = tok.apply_chat_template([{"role": "user", "content": text_prompt}], add_generation_prompt=True,
                                        tokenize=True)
     prompt_ids = list(rendered if isinstance(rendered, list) else rendered["input_ids"])
-    _, _, wav_ref = _run_reference(reference, prompt_ids, "ethan", TALKER_FRAMES + 1, 0, ids[: k + 1])
+    _, _, wav_ref = _run_fixed_reply(reference, prompt_ids, "ethan", TALKER_FRAMES + 1, 0, ids[: k + 1])
     audio = _audio_of(cut)
     assert audio.shape == wav_ref.shape, (audio.shape, wav_ref.shape)
     assert float(np.abs(audio - wav_ref.numpy()).max()) <= 1e-4, "the speech of the cut reply differs"

@@ -55,22 +55,6 @@ THINKER_TOKENS = 10  # thinker tokens per Generate request
 TALKER_DEFAULT_FRAMES = 64  # the talker's cap on the omni path: max_audio_seconds 5.12 at 12.5 frames/s
 
 
-@pytest.fixture(scope="module")
-def checkpoint(tiny_checkpoint):
-    from omni_common import torchvision_compat
-
-    torchvision_compat.install()  # the torchvision shim, before transformers loads
-    return tiny_checkpoint
-
-
-@pytest.fixture(scope="module")
-def reference(checkpoint):
-    from transformers import AutoTokenizer, Qwen3OmniMoeForConditionalGeneration
-
-    model = Qwen3OmniMoeForConditionalGeneration.from_pretrained(str(checkpoint), dtype=torch.float32).eval()
-    return SimpleNamespace(model=model, tok=AutoTokenizer.from_pretrained(str(checkpoint)), cfg=model.config)
-
-
 def _chat(ref, text: str) -> list[int]:
     out = ref.tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
     return list(out if isinstance(out, list) else out["input_ids"])
