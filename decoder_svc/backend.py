@@ -47,6 +47,12 @@ class RequestSpec:
     # The conversation's audio parts decoded (float32 mono numpy arrays at
     # the first stage's input rate), in order (decoder_svc.inputs).
     audio: tuple[Any, ...] = ()
+    # Its image parts decoded (uint8 RGB arrays [height, width, 3]), in order,
+    # and each image's grid (t, h, w) of vision patches as the model's
+    # processor sizes it (set with the prompt's ids; the talker's 3-D
+    # positions follow it).
+    images: tuple[Any, ...] = ()
+    image_grids: tuple[tuple[int, int, int], ...] = ()
     # Speak the prompt as it is written: the request starts at the speaking
     # stage (the talker), whatever stages come before it (GenerateRequest.verbatim).
     verbatim: bool = False

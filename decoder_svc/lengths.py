@@ -36,6 +36,10 @@ DEFAULT_INPUT_AUDIO_PARTS = 4
 """Audio parts a request may carry (``--max-input-audio-parts``), where the first stage reads audio."""
 DEFAULT_INPUT_AUDIO_SECONDS = 60.0
 """Longest audio part, in seconds (``--max-input-audio-seconds``)."""
+DEFAULT_INPUT_IMAGE_PARTS = 4
+"""Image parts a request may carry (``--max-input-image-parts``), where the first stage reads images."""
+DEFAULT_INPUT_IMAGE_PIXELS = 36_000_000
+"""Most pixels of an image part as sent (``--max-input-image-pixels``; the model's processor resizes it)."""
 DEFAULT_REPETITION_WINDOW_S = 4.0
 """Seconds of codec frames the runaway guard looks at (``--repetition-window-s``)."""
 DEFAULT_REPETITION_MAX_PERIOD = 8
@@ -67,6 +71,8 @@ class EngineFacts:
     model: str
     audio_input_rate: int = 0
     """Samples per second the first stage's audio tower reads (0: it reads no audio)."""
+    image_input: bool = False
+    """The first stage reads images (a vision tower and an image processor)."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +86,8 @@ class Options:
     repetition_max_period: int = DEFAULT_REPETITION_MAX_PERIOD
     max_input_audio_parts: int = DEFAULT_INPUT_AUDIO_PARTS
     max_input_audio_seconds: float = DEFAULT_INPUT_AUDIO_SECONDS
+    max_input_image_parts: int = DEFAULT_INPUT_IMAGE_PARTS
+    max_input_image_pixels: int = DEFAULT_INPUT_IMAGE_PIXELS
 
 
 @dataclass(frozen=True)
@@ -112,6 +120,10 @@ class DeploymentSettings:
     """Audio parts a request may carry (0: the deployment takes no audio input)."""
     max_input_audio_seconds: float = 0.0
     """Longest audio part accepted, in seconds."""
+    max_input_image_parts: int = 0
+    """Image parts a request may carry (0: the deployment takes no image input)."""
+    max_input_image_pixels: int = 0
+    """Most pixels of an image part as sent."""
 
     @property
     def has_text_stage(self) -> bool:
@@ -181,7 +193,10 @@ class DeploymentSettings:
                 f"--repetition-max-period ({period} frames), i.e. {2 * period} frames",
             )
         audio_parts, audio_s = _input_audio_limits(o, int(facts.audio_input_rate))
+        image_parts, image_pixels = _input_image_limits(o, bool(facts.image_input))
         return cls(
+            max_input_image_parts=image_parts,
+            max_input_image_pixels=image_pixels,
             audio_input_rate=int(facts.audio_input_rate) if audio_parts else 0,
             max_input_audio_parts=audio_parts,
             max_input_audio_seconds=audio_s,
@@ -224,6 +239,8 @@ class DeploymentSettings:
             max_first_chunk_frames=self.max_first_chunk_frames,
             max_input_audio_parts=self.max_input_audio_parts,
             max_input_audio_seconds=self.max_input_audio_seconds,
+            max_input_image_parts=self.max_input_image_parts,
+            max_input_image_pixels=self.max_input_image_pixels,
         )
 
     def new_guard(self) -> RepetitionGuard | None:
@@ -243,6 +260,19 @@ def _input_audio_limits(o: Options, rate: int) -> tuple[int, float]:
     if rate <= 0 or parts == 0:
         return 0, 0.0
     return parts, seconds
+
+
+def _input_image_limits(o: Options, takes_images: bool) -> tuple[int, int]:
+    """(image parts, pixels per part) a request may send: the options where
+    the first stage reads images, else none."""
+    parts, pixels = int(o.max_input_image_parts), int(o.max_input_image_pixels)
+    if parts < 0:
+        raise InvalidArgumentError("--max-input-image-parts", f"must be >= 0 (0 = no image input), got {parts}")
+    if pixels <= 0:
+        raise InvalidArgumentError("--max-input-image-pixels", f"must be > 0, got {pixels}")
+    if not takes_images or parts == 0:
+        return 0, 0
+    return parts, pixels
 
 
 def deployment_modalities(roles: Iterable[str]) -> tuple[OutputModality, bool]:
@@ -280,6 +310,7 @@ def facts_of(backends: list, vocoder, *, model: str = "") -> EngineFacts:
         default_top_k=int(top_k),
         model=model or str(getattr(audio, "model_name", "") or "fake"),
         audio_input_rate=int(getattr(first, "audio_input_rate", 0) or 0),
+        image_input=bool(getattr(first, "image_input", False)),
     )
 
 

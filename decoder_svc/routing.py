@@ -309,8 +309,8 @@ class Router:
         cond = {key: torch.cat(parts) for key, parts in ctx.handoff.items()}
         ctx.handoff.clear()
         spec = dataclasses.replace(
-            ctx.spec, conditioning=cond, max_tokens=ctx.audio_frames, streaming=streaming, audio=()
-        )  # the media inputs were the first stage's
+            ctx.spec, conditioning=cond, max_tokens=ctx.audio_frames, streaming=streaming, audio=(), images=()
+        )  # the media inputs were the first stage's (the image grids stay: the talker's positions)
         ctx.handovers = 1
         ctx.upstream_open = streaming
         backend = self.backends[stage.name]

@@ -103,6 +103,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-input-audio-seconds", type=float,
                    default=_env_float("OMNI_MAX_INPUT_AUDIO_SECONDS", lengths.DEFAULT_INPUT_AUDIO_SECONDS),
                    help=f"longest audio part accepted, in seconds (default {lengths.DEFAULT_INPUT_AUDIO_SECONDS:g})")
+    p.add_argument("--max-input-image-parts", type=int,
+                   default=_env_int("OMNI_MAX_INPUT_IMAGE_PARTS", lengths.DEFAULT_INPUT_IMAGE_PARTS),
+                   help="image parts a request's messages may carry, where the first stage reads images "
+                        f"(0 = no image input; default {lengths.DEFAULT_INPUT_IMAGE_PARTS})")
+    p.add_argument("--max-input-image-pixels", type=int,
+                   default=_env_int("OMNI_MAX_INPUT_IMAGE_PIXELS", lengths.DEFAULT_INPUT_IMAGE_PIXELS),
+                   help=f"most pixels of an image part as sent (default {lengths.DEFAULT_INPUT_IMAGE_PIXELS})")
     p.add_argument("--repetition-window-s", type=float,
                    default=_env_float("OMNI_REPETITION_WINDOW_S", lengths.DEFAULT_REPETITION_WINDOW_S),
                    help="runaway guard: end a request whose last this-many seconds of codec frames are one "
@@ -153,6 +160,8 @@ def length_options(args: argparse.Namespace) -> lengths.Options:
         repetition_max_period=args.repetition_max_period,
         max_input_audio_parts=args.max_input_audio_parts,
         max_input_audio_seconds=args.max_input_audio_seconds,
+        max_input_image_parts=args.max_input_image_parts,
+        max_input_image_pixels=args.max_input_image_pixels,
     )
 
 

@@ -53,7 +53,9 @@ def spec_from_pb(
     if not req.request_id:
         raise InvalidArgumentError("request_id", "is empty")
     audio_parts = settings.max_input_audio_parts if settings is not None else 0
-    messages = (conversation_from_pb(req.messages, MAX_PROMPT_CHARS, max_audio_parts=audio_parts)
+    image_parts = settings.max_input_image_parts if settings is not None else 0
+    messages = (conversation_from_pb(req.messages, MAX_PROMPT_CHARS, max_audio_parts=audio_parts,
+                                     max_image_parts=image_parts)
                 if req.messages else ())
     if messages:
         if req.prompt:

@@ -77,6 +77,7 @@ from gateway.outputs import OmniRequestOutput
 from gateway.servicer import CLIENT_ERRORS
 from gateway.validation import (
     MAX_AUDIO_PARTS,
+    MAX_IMAGE_PARTS,
     MAX_TEMPERATURE,
     GenerationRequest,
     Limits,
@@ -206,9 +207,35 @@ def _part(part: object, where: str) -> common_pb2.ContentPart:
         return common_pb2.ContentPart(text=text)
     if kind == "input_audio":
         return common_pb2.ContentPart(audio=_input_audio(part.get("input_audio"), f"{where}.input_audio"))
+    if kind == "image_url":
+        return common_pb2.ContentPart(image=_image_url(part.get("image_url"), f"{where}.image_url"))
     raise InvalidArgumentError(
-        f"{where}.type", f"unsupported content part {quote_value(kind)}; supported: text, input_audio"
+        f"{where}.type", f"unsupported content part {quote_value(kind)}; supported: text, input_audio, image_url"
     )
+
+
+def _image_url(value: object, where: str) -> common_pb2.ImageContent:
+    """OpenAI's ``{"url": ..., "detail": ...}``: a ``data:`` URL of a PNG or
+    JPEG (base64); this server fetches nothing, so any other URL is refused.
+    ``detail`` is accepted and changes nothing (the model's processor sizes
+    the image within its own pixel bounds)."""
+    value = _object(value, where)
+    url = value.get("url")
+    if not isinstance(url, str):
+        raise InvalidArgumentError(f"{where}.url", f"must be a string, got {json_type_name(url)}")
+    head, sep, data = url.partition(",")
+    if not (url.startswith("data:") and sep and head.endswith(";base64")):
+        raise InvalidArgumentError(
+            f"{where}.url", "only base64 data URLs (data:image/png;base64,...) are taken: this server fetches nothing"
+        )
+    detail = value.get("detail", "auto")
+    if detail not in ("auto", "low", "high"):
+        raise InvalidArgumentError(f"{where}.detail", f"must be auto, low or high, got {quote_value(detail)}")
+    try:
+        raw = base64.b64decode(data, validate=True)
+    except (binascii.Error, ValueError):
+        raise InvalidArgumentError(f"{where}.url", "is not valid base64 after the comma") from None
+    return common_pb2.ImageContent(data=raw)
 
 
 def _input_audio(value: object, where: str) -> common_pb2.AudioContent:
@@ -250,7 +277,8 @@ def _conversation(body: Mapping[str, object], limits: Limits) -> tuple[Turn, ...
                 "reply's transcript as the content",
             )
         turns.append(common_pb2.ChatMessage(role="system" if role == "developer" else role, content=parts))
-    conversation = conversation_from_pb(turns, limits.max_text_chars, max_audio_parts=MAX_AUDIO_PARTS)
+    conversation = conversation_from_pb(turns, limits.max_text_chars, max_audio_parts=MAX_AUDIO_PARTS,
+                                        max_image_parts=MAX_IMAGE_PARTS)
     for i, (_, content) in enumerate(conversation):
         check_unicode(turn_text(content), f"messages[{i}].content")
     return conversation
@@ -396,6 +424,8 @@ def chat_call_from_json(body: object, limits: Limits, request_id: str | None) ->
             "voice": "audio.voice",
             "max_tokens": tokens_field,
             ".audio": ".input_audio",
+            ".image.data": ".image_url.url",
+            ".image": ".image_url",
         },
     )
 

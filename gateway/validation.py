@@ -39,9 +39,11 @@ from gateway.decoder_client import DecoderInfo
 from gateway.output_processor import OutputKind
 from omni_common.conversation import (
     NO_AUDIO_INPUT,
+    NO_IMAGE_INPUT,
     Turn,
     audio_parts,
     conversation_from_pb,
+    image_parts,
     turn_text,
     turns_to_pb,
 )
@@ -61,9 +63,9 @@ NATIVE_SAMPLE_RATE = 0
 """`sample_rate_hz` value meaning "the model's native rate"."""
 MAX_TEMPERATURE = 2.0
 """vLLM refuses a temperature above 2."""
-MAX_AUDIO_PARTS = 64
-"""Audio parts a request may carry before any decoder is asked (each
-decoder's own limit, DeploymentLimits.max_input_audio_parts, is lower)."""
+MAX_AUDIO_PARTS = MAX_IMAGE_PARTS = 64
+"""Audio (image) parts a request may carry before any decoder is asked (each
+decoder's own limit, DeploymentLimits.max_input_audio_parts / _image_parts, is lower)."""
 MAX_SEED = 2**63 - 1
 """Largest seed accepted: the engines hold seeds in signed 64-bit integers."""
 
@@ -274,12 +276,13 @@ def check_against_decoder(
             instructions_field,
             f"this deployment (profile {info.profile or 'unknown'}) does not take instructions",
         )
-    audio = audio_parts(conversation)
-    allowed = info.limits.max_input_audio_parts
-    if audio and len(audio) > allowed:
-        raise InvalidArgumentError(
-            audio[allowed].field,
-            NO_AUDIO_INPUT if not allowed else f"the request has {len(audio)} audio parts; this deployment takes "
+    for kind, parts, allowed, none_taken in (
+            ("audio", audio_parts(conversation), info.limits.max_input_audio_parts, NO_AUDIO_INPUT),
+            ("image", image_parts(conversation), info.limits.max_input_image_parts, NO_IMAGE_INPUT)):
+        if len(parts) > allowed:
+            raise InvalidArgumentError(
+                parts[allowed].field,
+                none_taken if not allowed else f"the request has {len(parts)} {kind} parts; this deployment takes "
                                                f"at most {allowed}")
     if conversation and not info.supports_instructions:
         raise InvalidArgumentError(
@@ -407,7 +410,8 @@ def generation_request_from_pb(
             raise InvalidArgumentError("messages", "give prompt or messages, not both")
         if request.instructions.strip():
             raise InvalidArgumentError("instructions", "with messages, style instructions are a system turn")
-        messages = conversation_from_pb(request.messages, limits.max_text_chars, max_audio_parts=MAX_AUDIO_PARTS)
+        messages = conversation_from_pb(request.messages, limits.max_text_chars, max_audio_parts=MAX_AUDIO_PARTS,
+                                        max_image_parts=MAX_IMAGE_PARTS)
         for i, (_, content) in enumerate(messages):
             check_unicode(turn_text(content), f"messages[{i}].content")
     return GenerationRequest(

@@ -1,4 +1,9 @@
-"""Audio a client sends (a conversation's audio parts), decoded for a model.
+"""Audio and images a client sends (a conversation's media parts), decoded for a model.
+
+Images (:func:`decode_image`): PNG or JPEG, recognised from their headers,
+at most ``max_pixels`` pixels as sent (checked from the header, before the
+pixels are decoded), converted to RGB; a file that does not decode whole is
+refused.
 
 ``decode_audio`` turns the bytes of one audio part into float32 mono
 samples at the rate a model's audio tower reads (16 kHz for Qwen3-Omni):
@@ -27,7 +32,10 @@ import numpy as np
 
 from omni_common.errors import InvalidArgumentError
 
-__all__ = ["AUDIO_FORMATS", "AudioInput", "decode_audio", "resample"]
+__all__ = ["AUDIO_FORMATS", "IMAGE_FORMATS", "AudioInput", "ImageInput", "decode_audio", "decode_image", "resample"]
+
+IMAGE_FORMATS = ("PNG", "JPEG")
+"""Image files a part may hold."""
 
 AUDIO_FORMATS = ("wav", "flac", "mp3", "ogg", "pcm16")
 """Values of ``AudioContent.format`` (empty: a file, recognised from its header)."""
@@ -46,6 +54,45 @@ class AudioInput:
     format: str = ""
     sample_rate: int = 0
     field: str = "audio"  # the part's field, for error messages
+
+
+@dataclass(frozen=True)
+class ImageInput:
+    """One image part of a request, as sent (decoded by :func:`decode_image`)."""
+
+    data: bytes
+    field: str = "image"  # the part's field, for error messages
+
+
+def decode_image(part: ImageInput, *, max_pixels: int) -> np.ndarray:
+    """``part`` as an RGB image, uint8 [height, width, 3]."""
+    from PIL import Image, UnidentifiedImageError
+
+    field = f"{part.field}.data"
+    if not part.data:
+        raise InvalidArgumentError(field, "is empty")
+    try:
+        img = Image.open(io.BytesIO(part.data))
+    except Image.DecompressionBombError:
+        raise InvalidArgumentError(field, f"has too many pixels; the deployment takes at most {max_pixels}") from None
+    except (UnidentifiedImageError, OSError, ValueError):
+        raise InvalidArgumentError(field, "is not an image file we read (PNG, JPEG)") from None
+    with img:
+        if img.format not in IMAGE_FORMATS:
+            raise InvalidArgumentError(field, f"is a {img.format} image; formats: PNG, JPEG")
+        width, height = img.size
+        if width <= 0 or height <= 0:
+            raise InvalidArgumentError(field, f"has no pixels ({width}x{height})")
+        if width * height > max_pixels:
+            raise InvalidArgumentError(
+                field, f"is {width}x{height} = {width * height} pixels; the deployment takes at most {max_pixels}"
+            )
+        try:
+            img.load()  # a cut-short file fails here
+            rgb = img.convert("RGB")
+        except (OSError, ValueError, SyntaxError) as exc:
+            raise InvalidArgumentError(field, f"is corrupt or cut short: {_short(exc)}") from None
+    return np.asarray(rgb, dtype=np.uint8).copy()
 
 
 def decode_audio(part: AudioInput, *, rate: int, max_seconds: float) -> np.ndarray:

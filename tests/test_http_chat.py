@@ -343,10 +343,22 @@ AUDIO = {"modalities": ["text", "audio"], "audio": {"voice": "alice", "format": 
         (
             {
                 "model": "m",
-                "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}],
+                "messages": [{"role": "user", "content": [{"type": "file", "file": {}}]}],
             },
             "messages[0].content[0].type",
         ),
+        *[  # image parts: checked by the gateway, then against the deployment (the fake one reads no images)
+            ({"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url", **part}]}]},
+             "messages[0].content[0].image_url" + suffix)
+            for part, suffix in [
+                ({}, ""),
+                ({"image_url": {}}, ".url"),
+                ({"image_url": {"url": "https://example.com/cat.png"}}, ".url"),  # nothing is fetched
+                ({"image_url": {"url": "data:image/png;base64,%%%"}}, ".url"),
+                ({"image_url": {"url": "data:image/png;base64,iVBORw0KGgo=", "detail": "huge"}}, ".detail"),
+                ({"image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}, ""),  # fine here; no image input there
+            ]
+        ],
         (
             {"model": "m", "messages": [{"role": "user", "content": [{"type": "text"}]}]},
             "messages[0].content[0].text",

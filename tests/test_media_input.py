@@ -3,14 +3,16 @@
 the deployment's limits (``decoder_svc.lengths``, ``decoder_svc.inputs``), the
 chat prompt's audio tokens (``ChatPrompts``), the checkpoint's audio features
 and the HTTP field names. The served path and its parity with the reference
-are ``tests/test_audio_input.py``."""
+are ``tests/test_omni_input.py``."""
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import io
 import json
 import shutil
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -120,8 +122,14 @@ def test_bad_audio_is_refused_naming_the_field(part, field, words):
 
 
 def _msg(role: str, *parts) -> common_pb2.ChatMessage:  # noqa: ANN002
-    return common_pb2.ChatMessage(role=role, content=[
-        common_pb2.ContentPart(text=p) if isinstance(p, str) else common_pb2.ContentPart(audio=p) for p in parts])
+    def part(p):  # noqa: ANN001, ANN202
+        if isinstance(p, str):
+            return common_pb2.ContentPart(text=p)
+        if isinstance(p, common_pb2.ImageContent):
+            return common_pb2.ContentPart(image=p)
+        return common_pb2.ContentPart(audio=p)
+
+    return common_pb2.ChatMessage(role=role, content=[part(p) for p in parts])
 
 
 CLIP = common_pb2.AudioContent(data=WAV, format="wav")
@@ -157,12 +165,38 @@ def test_audio_part_limits(messages, limit, field, words):
 # -- the deployment's limits ---------------------------------------------------------------
 
 
+def _settings_facts(rate: int = 16000) -> EngineFacts:
+    return EngineFacts(frames_per_second=12.5, audio_context_tokens=4096, text_context_tokens=2048,
+                       default_temperature=0.9, default_top_p=1.0, default_top_k=50, model="m",
+                       audio_input_rate=rate)
+
+
 def _settings(rate: int = 16000, **options) -> DeploymentSettings:  # noqa: ANN003
-    facts = EngineFacts(frames_per_second=12.5, audio_context_tokens=4096, text_context_tokens=2048,
-                        default_temperature=0.9, default_top_p=1.0, default_top_k=50, model="m",
-                        audio_input_rate=rate)
+    facts = _settings_facts(rate)
     return DeploymentSettings.build(profile="omni", output_modalities=OutputModality.TEXT | OutputModality.AUDIO,
                                     supports_instructions=True, facts=facts, options=Options(**options))
+
+
+def test_image_parts_have_their_own_limits():
+    image = common_pb2.ImageContent(data=b"x")
+    turns = conversation_from_pb([_msg("user", "look", image, CLIP)], 1000, max_audio_parts=1, max_image_parts=1)
+    assert [type(p).__name__ for p in turns[0][1]] == ["str", "ImageInput", "AudioInput"]
+    for limits, field, words in [((1, 0), "messages[0].content[1].image", "no image input"),
+                                 ((0, 1), "messages[0].content[2].audio", "no audio input")]:
+        with pytest.raises(InvalidArgumentError) as err:
+            conversation_from_pb([_msg("user", "look", image, CLIP)], 1000, max_audio_parts=limits[0],
+                                 max_image_parts=limits[1])
+        assert err.value.field == field and words in str(err.value)
+    s = _settings()
+    assert (s.max_input_image_parts, s.max_input_image_pixels) == (0, 0)  # the facts say: no image input
+    facts = dataclasses.replace(_settings_facts(), image_input=True)
+    s = DeploymentSettings.build(profile="omni", output_modalities=OutputModality.TEXT, supports_instructions=True,
+                                 facts=facts, options=Options(max_input_image_parts=2))
+    assert (s.limits_pb().max_input_image_parts, s.limits_pb().max_input_image_pixels) == (2, 36_000_000)
+    with pytest.raises(InvalidArgumentError) as err:
+        DeploymentSettings.build(profile="omni", output_modalities=OutputModality.TEXT, supports_instructions=True,
+                                 facts=facts, options=Options(max_input_image_pixels=0))
+    assert err.value.field == "--max-input-image-pixels"
 
 
 def test_limits_follow_the_first_stage_and_the_options():
@@ -209,8 +243,8 @@ def test_decode_inputs_decodes_in_order_and_drops_the_bytes():
 def prompts(tmp_path_factory):
     from types import SimpleNamespace
 
-    from decoder_svc.qwen3_omni.audio_features import AudioFeatures
     from decoder_svc.qwen3_omni.engine import ChatPrompts
+    from decoder_svc.qwen3_omni.media_features import AudioFeatures
     from decoder_svc.qwen3_omni.tiny import _ID, CHAT_TEMPLATE, _tokenizer
 
     d = tmp_path_factory.mktemp("tok")
@@ -285,3 +319,84 @@ def test_http_names_a_part_as_the_client_did():
     status, body = error_body(InvalidArgumentError("messages[2].content[0].audio.data", "is cut short"), params)
     assert status == 400 and body["param"] == "messages[2].content[0].input_audio.data"
     assert body["message"] == "messages[2].content[0].input_audio.data: is cut short"
+
+
+# -- images ----------------------------------------------------------------------------------
+
+
+def _image_file(fmt: str, size=(80, 50), mode: str = "RGB") -> bytes:
+    from PIL import Image
+
+    rng = np.random.default_rng(0)
+    img = Image.fromarray((rng.random((size[1], size[0], 3)) * 255).astype(np.uint8)).convert(mode)
+    buf = io.BytesIO()
+    img.save(buf, format=fmt)
+    return buf.getvalue()
+
+
+def test_images_decode_to_rgb_pixels():
+    from omni_common.media import ImageInput, decode_image
+
+    for fmt, mode in (("PNG", "RGB"), ("PNG", "RGBA"), ("PNG", "L"), ("JPEG", "RGB")):
+        pixels = decode_image(ImageInput(_image_file(fmt, mode=mode), "i"), max_pixels=10_000)
+        assert pixels.shape == (50, 80, 3) and pixels.dtype == np.uint8, (fmt, mode)
+
+
+@pytest.mark.parametrize("data,words", [
+    (b"", "is empty"),
+    (b"GIF89a not really" * 4, "not an image file"),
+    (_image_file("GIF"), "GIF image"),
+    (_image_file("BMP"), "BMP image"),
+    (_image_file("PNG")[:300], "cut short"),
+    (_image_file("JPEG")[: len(_image_file("JPEG")) * 2 // 3], "cut short"),
+    (_image_file("PNG", size=(200, 100)), "at most 10000"),
+])
+def test_bad_images_are_refused_naming_the_field(data, words):
+    from omni_common.media import ImageInput, decode_image
+
+    with pytest.raises(InvalidArgumentError) as err:
+        decode_image(ImageInput(data, "m[0].content[1].image"), max_pixels=10_000)
+    assert err.value.field == "m[0].content[1].image.data" and words in str(err.value), str(err.value)
+
+
+def test_image_sizes_follow_the_processors_resize():
+    from omni_common import torchvision_compat
+
+    torchvision_compat.install()
+    from transformers.models.qwen2_vl.image_processing_qwen2_vl import smart_resize
+
+    from decoder_svc.qwen3_omni.media_features import ImageFeatures
+
+    f = ImageFeatures(patch=16, merge=2, min_pixels=3136, max_pixels=12845056)
+    for h, w in [(1, 1), (20, 20), (50, 80), (64, 64), (120, 200), (999, 17), (4000, 3000), (5000, 6000)]:
+        assert f.resized(h, w) == smart_resize(h, w, factor=32, min_pixels=3136, max_pixels=12845056), (h, w)
+    assert f.grid(120, 200) == (1, 8, 12) and f.tokens(120, 200) == 24
+
+
+def test_the_talkers_positions_are_the_references():
+    """talker_positions against transformers' get_rope_index on a talker
+    input: text, an image (grid 1 x 8 x 12 -> 4 x 6 tokens), text, a second
+    image, the assistant head."""
+    from omni_common import torchvision_compat
+
+    torchvision_compat.install()
+    import torch as t
+    from transformers.models.qwen3_omni_moe.modeling_qwen3_omni_moe import (
+        Qwen3OmniMoeTalkerForConditionalGeneration,
+    )
+
+    from decoder_svc.qwen3_omni.talker_rope import talker_positions
+    from decoder_svc.qwen3_omni.tiny import _ID, _config
+
+    cfg = _config().talker_config
+    img, vs, ve, pad = _ID["<|image_pad|>"], _ID["<|vision_start|>"], _ID["<|vision_end|>"], _ID["<tts_pad>"]
+    grids = [(1, 8, 12), (1, 4, 6)]
+    ids = [1, 14, 20, vs] + [img] * 24 + [ve, 30, 31, vs] + [img] * 6 + [ve, 2] + [pad] * 9
+    want, delta = Qwen3OmniMoeTalkerForConditionalGeneration.get_rope_index(
+        SimpleNamespace(config=cfg, spatial_merge_size=2, get_llm_pos_ids_for_vision=functools.partial(
+            Qwen3OmniMoeTalkerForConditionalGeneration.get_llm_pos_ids_for_vision, None)),
+        t.tensor([ids]), t.tensor(grids), None, t.ones(1, len(ids), dtype=t.long))
+    got, got_delta = talker_positions(ids, img, grids, 2, float(cfg.position_id_per_seconds))
+    assert np.array_equal(got, want[:, 0].numpy().astype(np.int64)) and got_delta == int(delta), (got, want)
+    plain, plain_delta = talker_positions([1, 2, 3], img, [], 2, 13.0)
+    assert np.array_equal(plain, np.tile(np.arange(3), (3, 1))) and plain_delta == 0

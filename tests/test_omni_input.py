@@ -84,7 +84,11 @@ def _run_reference(ref, messages: list[dict], clips: list[np.ndarray], voice: st
 
 
 def _part(p) -> common_pb2.ContentPart:  # noqa: ANN001
-    return common_pb2.ContentPart(text=p) if isinstance(p, str) else common_pb2.ContentPart(audio=p)
+    if isinstance(p, str):
+        return common_pb2.ContentPart(text=p)
+    if isinstance(p, common_pb2.ImageContent):
+        return common_pb2.ContentPart(image=p)
+    return common_pb2.ContentPart(audio=p)
 
 
 def _generate(target: str, turns: list[tuple[str, list]], voice: str = "ethan", timeout: float = 300):
@@ -144,6 +148,123 @@ def test_audio_input_matches_reference(stack, reference, case):
     audio = _audio_of(final)
     assert audio.shape == wav_ref.shape, (audio.shape, wav_ref.shape)
     assert float(np.abs(audio - wav_ref).max()) <= 1e-4, "the waveform differs from the reference"
+
+
+def _image(height: int, width: int, seed: int) -> np.ndarray:
+    """A test image: smooth colour gradients and a few shapes (uint8 RGB)."""
+    rng = np.random.default_rng(seed)
+    y, x = np.mgrid[0:height, 0:width] / max(height, width)
+    img = np.stack([np.sin(6 * x + rng.random() * 6), np.cos(5 * y + rng.random() * 6), np.sin(4 * (x + y))], -1)
+    return ((img * 0.5 + 0.5) * 255).astype(np.uint8)
+
+
+def _png(pixels: np.ndarray, fmt: str = "PNG") -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, format=fmt)
+    return buf.getvalue()
+
+
+IMAGE_CASES = {
+    # an image and a question about it
+    "image then text": ([("user", ["IMAGE0", "What is in the picture?"])], [(120, 200, 1)]),
+    # two images (one JPEG: the reference sees the decoded pixels) in a conversation (images and audio
+    # together: transformers' talker fails on them, Qwen3OmniMoeTalkerConfig has no audio_config)
+    "two images": ([("system", ["You are a helpful voice."]), ("user", ["IMAGE0", "and this one"]),
+                    ("assistant", ["A chart."]), ("user", ["IMAGE1", "Which one is brighter?"])],
+                   [(64, 96, 2), (150, 90, 3)]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(IMAGE_CASES))
+def test_image_input_matches_reference(stack, reference, case):
+    from PIL import Image
+
+    turns, specs = IMAGE_CASES[case]
+    pixels = [_image(h, w, seed) for h, w, seed in specs]
+    files = [_png(p, "JPEG" if i == 1 else "PNG") for i, p in enumerate(pixels)]
+    seen = [np.asarray(Image.open(io.BytesIO(f)).convert("RGB")) for f in files]  # what the decoder decodes
+    clip = _clip(1.0, 9)
+
+    def ours(p):  # noqa: ANN001, ANN202
+        if p.startswith("IMAGE"):
+            return common_pb2.ContentPart(image=common_pb2.ImageContent(data=files[int(p[5:])]))
+        if p.startswith("AUDIO"):
+            return common_pb2.ContentPart(audio=common_pb2.AudioContent(data=_wav(clip)))
+        return common_pb2.ContentPart(text=p)
+
+    def theirs(p):  # noqa: ANN001, ANN202
+        return {"type": "image"} if p.startswith("IMAGE") else {"type": "audio"} if p.startswith("AUDIO") \
+            else {"type": "text", "text": p}
+
+    text = reference.proc.apply_chat_template(
+        [{"role": r, "content": [theirs(p) for p in parts]} for r, parts in turns], add_generation_prompt=True,
+        tokenize=False)
+    has_audio = any(p.startswith("AUDIO") for _, parts in turns for p in parts)
+    inputs = reference.proc(text=text, images=[Image.fromarray(s) for s in seen],
+                            audio=[clip] if has_audio else None, return_tensors="pt")
+    n = int(inputs["input_ids"].shape[1])
+    with torch.no_grad():
+        seqs, wav = reference.model.generate(
+            **inputs, speaker="ethan", return_audio=True, thinker_max_new_tokens=THINKER_TOKENS,
+            thinker_do_sample=False, thinker_eos_token_id=reference.cfg.im_end_token_id,
+            talker_do_sample=False, talker_max_new_tokens=TALKER_FRAMES + 1)
+    ids_ref, wav_ref = seqs[0, n:].tolist(), wav.reshape(-1).float().numpy()
+    with grpc.insecure_channel(stack.gateway_target) as ch:
+        req = gateway_pb2.OmniGatewayServiceGenerateRequest(
+            voice="ethan", output_modalities="text+audio", output_kind=gateway_pb2.OUTPUT_KIND_FINAL_ONLY,
+            messages=[common_pb2.ChatMessage(role=r, content=[ours(p) for p in parts]) for r, parts in turns],
+            sampling_params=common_pb2.SamplingParams(temperature=0, max_tokens=THINKER_TOKENS,
+                                                      max_audio_seconds=TALKER_FRAMES / 12.5))
+        final = [r.output for r in gateway_pb2_grpc.OmniGatewayServiceStub(ch).Generate(req, timeout=300)][-1]
+    assert final.metrics.prompt_tokens == n, "the prompt's tokens (image tokens included) differ"
+    assert list(final.text.token_ids) == ids_ref, f"thinker ids differ: {list(final.text.token_ids)} vs {ids_ref}"
+    audio = _audio_of(final)
+    assert audio.shape == wav_ref.shape, (audio.shape, wav_ref.shape)
+    assert float(np.abs(audio - wav_ref).max()) <= 1e-4, "the waveform differs from the reference"
+
+
+def test_a_text_request_beside_an_image_request_is_unchanged(stack):
+    """The talker applies 3-D positions to the rows of a request with images
+    only: a text request's audio is the same, bit for bit, alone and in the
+    same steps as an image request."""
+    import concurrent.futures
+
+    text_turns = [("user", ["Say something about the weather."])]
+    alone = _audio_of(_generate(stack.gateway_target, text_turns))
+    image = common_pb2.ImageContent(data=_png(_image(120, 200, 5)))
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        beside = pool.submit(_generate, stack.gateway_target, [("user", [image, "And this?"])])
+        together = _audio_of(_generate(stack.gateway_target, text_turns))
+        assert beside.result().finished
+    assert alone.size and np.array_equal(alone, together)
+
+
+def test_bad_images_are_refused_naming_the_part(stack):
+    from PIL import Image
+
+    target = stack.gateway_target
+    png = _png(_image(40, 60, 6))
+    big = io.BytesIO()
+    Image.new("1", (6100, 6000)).save(big, format="PNG")  # 36.6 M pixels, a small file
+    gif = io.BytesIO()
+    Image.fromarray(_image(20, 20, 7)).save(gif, format="GIF")
+    cases = [
+        (png[: len(png) // 2], "cut short"),
+        (b"not an image" * 10, "not an image file"),
+        (gif.getvalue(), "GIF"),
+        (big.getvalue(), "at most 36000000"),
+        (_png(_image(2, 500, 8)), "200 times"),
+        (b"", "is empty"),
+    ]
+    for data, words in cases:
+        _refused(target, [("user", ["What is it?", common_pb2.ImageContent(data=data)])],
+                 "messages[0].content[1].image.data", words)
+    many = [common_pb2.ImageContent(data=png)] * 5
+    _refused(target, [("user", many)], "messages[0].content[4].image", "at most 4")
+    final = _generate(target, [("user", [common_pb2.ImageContent(data=png), "What is it?"])], timeout=120)
+    assert final.finished and final.text.token_ids
 
 
 ENCODER_TOLERANCE = 1e-5
@@ -234,7 +355,7 @@ def test_bad_audio_is_refused_naming_the_part_and_the_stack_keeps_serving(stack)
     assert final.finished and final.text.token_ids
 
 
-def test_chat_completions_take_input_audio(stack):
+def test_chat_completions_take_input_audio_and_images(stack):
     url = f"{stack.http_url}/v1/chat/completions"
     wav = _wav(_clip(1.0, 5), subtype="PCM_16")
 
@@ -255,6 +376,11 @@ def test_chat_completions_take_input_audio(stack):
     assert text_only_status == 200, text_only
     # the audio's tokens count in the prompt
     assert out["usage"]["prompt_tokens"] > text_only["usage"]["prompt_tokens"] + 5, (out["usage"], text_only["usage"])
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64,"
+                                                      + base64.b64encode(_png(_image(64, 64, 9))).decode()}}
+    status, seen = post([{"type": "text", "text": "What is said?"}, image])
+    # 64 x 64 pixels: 4 x 4 patches, merged 2 x 2: 4 image tokens, and the vision start and end
+    assert status == 200 and seen["usage"]["prompt_tokens"] == text_only["usage"]["prompt_tokens"] + 6, seen
     bad = {"type": "input_audio", "input_audio": {"data": base64.b64encode(wav[:2000]).decode(), "format": "wav"}}
     status, err = post([bad])
     assert status == 400 and err["error"]["param"] == "messages[0].content[0].input_audio.data", err

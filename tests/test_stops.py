@@ -1,7 +1,7 @@
 """Stop sequences, piece by piece: the checks (``omni_common.stop_strings``)
 and the watch over a text stage's steps (``decoder_svc.stops``). Served:
 ``tests/test_lengths_and_endings.py`` (fake engine, every route's refusals)
-and ``tests/test_audio_input.py`` (vLLM: the speech stops where the text does,
+and ``tests/test_omni_input.py`` (vLLM: the speech stops where the text does,
 against the reference)."""
 
 from __future__ import annotations

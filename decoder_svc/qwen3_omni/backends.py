@@ -61,9 +61,9 @@ THINKER_EMBED = "thinker_embed"
 THINKER_HIDDEN = "thinker_hidden"
 THINKER_TOKEN_IDS = "thinker_token_ids"
 THINKER_ARCH = "Qwen3OmniMoeForConditionalGeneration"
-# vLLM's per-prompt audio limit (it sizes the encoder budget at start; the
-# deployment's own limit, DeploymentLimits.max_input_audio_parts, is checked first)
-MAX_AUDIO_PARTS = 16
+# vLLM's per-prompt audio and image limits (they size the encoder budget at
+# start; the deployment's own, DeploymentLimits.max_input_*_parts, are checked first)
+MAX_MEDIA_PARTS = 16
 
 
 def prepare_vllm() -> None:
@@ -169,17 +169,20 @@ class ThinkerBackend(VLLMBackend):
         self.num_codebooks = 1
         self.codec_vocab = self.vocab_size
         self.audio_token = int(self.checkpoint.thinker_config.get("audio_token_id", -1))
+        self.image_token = int(self.checkpoint.thinker_config.get("image_token_id", -2))
         features = self.checkpoint.audio_input
         # what the decoder resamples a request's audio to (0: no audio input)
         self.audio_input_rate = features.rate if features is not None else 0
+        self.image_input = self.checkpoint.image_input is not None
 
     def _engine_kwargs(self) -> dict[str, Any]:
         prepare_vllm()
         # audio through vLLM's Qwen3-Omni processor (the checkpoint's audio
         # tower); the decoder bounds a request's parts (DeploymentSettings),
         # vLLM's limit only sizes its encoder budget
-        audio = MAX_AUDIO_PARTS if self.audio_input_rate else 0
-        kwargs: dict[str, Any] = {"limit_mm_per_prompt": {"audio": audio, "image": 0, "video": 0},
+        audio = MAX_MEDIA_PARTS if self.audio_input_rate else 0
+        image = MAX_MEDIA_PARTS if self.image_input else 0
+        kwargs: dict[str, Any] = {"limit_mm_per_prompt": {"audio": audio, "image": image, "video": 0},
                                   "mm_processor_cache_gb": 0}
         if self.capture_talker_inputs:
             # Built without engine settings (which decide otherwise): a prompt
@@ -211,20 +214,27 @@ class ThinkerBackend(VLLMBackend):
     def _prompt(self, spec: RequestSpec) -> dict[str, Any]:
         if not spec.prompt_token_ids:
             raise InvalidArgumentError("prompt", "the thinker takes a tokenized chat prompt")
-        if not spec.audio:
+        if not spec.audio and not spec.images:
             return {"prompt_token_ids": list(spec.prompt_token_ids)}
-        if not self.audio_input_rate:
-            raise FailedPreconditionError("this thinker takes no audio input")
-        # vLLM's processor expands each clip's placeholder itself: give it one
-        # per clip (the decoder's prompt has them expanded, ChatPrompts._expand_audio)
-        ids = [t for i, t in enumerate(spec.prompt_token_ids)
-               if t != self.audio_token or i == 0 or spec.prompt_token_ids[i - 1] != self.audio_token]
-        return {"prompt_token_ids": ids,
-                "multi_modal_data": {"audio": [(clip, self.audio_input_rate) for clip in spec.audio]}}
+        if (spec.audio and not self.audio_input_rate) or (spec.images and not self.image_input):
+            raise FailedPreconditionError("this thinker takes no such media input")
+        # vLLM's processor expands each part's placeholder itself: give it one
+        # per part (the decoder's prompt has them expanded, ChatPrompts._expand)
+        ids = spec.prompt_token_ids
+        pads = (self.audio_token, self.image_token)
+        one_each = [t for i, t in enumerate(ids) if t not in pads or i == 0 or ids[i - 1] != t]
+        data: dict[str, Any] = {}
+        if spec.audio:
+            data["audio"] = [(clip, self.audio_input_rate) for clip in spec.audio]
+        if spec.images:
+            from PIL import Image
+
+            data["image"] = [Image.fromarray(pixels) for pixels in spec.images]
+        return {"prompt_token_ids": one_each, "multi_modal_data": data}
 
     def add_request(self, spec: RequestSpec) -> None:
         super().add_request(spec)
-        if not spec.audio:
+        if not spec.audio and not spec.images:
             return
         # the positions the talker's rows follow are the decoder's prompt's:
         # vLLM's expansion of the audio placeholders must agree with it
@@ -236,7 +246,7 @@ class ThinkerBackend(VLLMBackend):
             self.abort(spec.request_id)
             raise RuntimeError(
                 f"vLLM's prompt for {spec.request_id!r} has {got} tokens, the decoder's {len(spec.prompt_token_ids)}: "
-                "the audio token counts disagree")
+                "the media token counts disagree")
 
     def close(self) -> None:
         if self._rows is not None:
@@ -390,6 +400,8 @@ class TalkerBackend(VLLMBackend):
             builder.add(reply, rows, finished=not spec.streaming)
             prompt_embeds = builder.head(hidden)
             trailing = builder.take()
+        if spec.image_grids:
+            self._image_positions(spec, builder, int(prompt_embeds.shape[0]))
         greedy = spec.temperature <= 0
         state = TalkerRequestState(
             prompt_len=int(prompt_embeds.shape[0]),
@@ -406,6 +418,28 @@ class TalkerBackend(VLLMBackend):
         if not builder.complete:
             self._builders[spec.request_id] = builder
         return {"prompt_embeds": prompt_embeds}
+
+    def _image_positions(self, spec: RequestSpec, builder: TalkerPromptBuilder, length: int) -> None:
+        """A prompt with images: the talker's 3-D positions (.talker_rope)
+        over its input ids (the user turns' thinker ids, then the assistant
+        head's tts_pad ids), with the grids of the images in user turns."""
+        from .talker_rope import talker_positions
+
+        rope3 = self._model.rope3
+        if rope3 is None:
+            raise FailedPreconditionError("this talker has no M-RoPE settings for image positions")
+        cfg = self.checkpoint.talker_config
+        image = int(cfg["image_token_id"])
+        ids = list(spec.prompt_token_ids)
+        starts = [i for i, t in enumerate(ids) if t == image and (i == 0 or ids[i - 1] != image)]
+        user = set(builder.user_positions)
+        grids = [g for s, g in zip(starts, spec.image_grids, strict=True) if s in user]
+        talker_ids = [ids[u] for u in builder.user_positions]
+        talker_ids += [self.ids.tts_pad] * (length - len(talker_ids))
+        merge = int(self.checkpoint.thinker_config["vision_config"]["spatial_merge_size"])
+        positions, delta = talker_positions(talker_ids, image, grids, merge,
+                                            float(cfg.get("position_id_per_seconds", 1)))
+        rope3.add(spec.request_id, positions, delta)
 
     def _sampling_params(self, spec: RequestSpec):
         params = super()._sampling_params(spec)
@@ -482,3 +516,5 @@ class TalkerBackend(VLLMBackend):
         self._builders.pop(request_id, None)
         if self._model is not None and self._model.slots is not None:
             self._model.slots.remove(request_id)
+        if self._model is not None and self._model.rope3 is not None:
+            self._model.rope3.remove(request_id)

@@ -16,9 +16,11 @@ directory holds what serving reads:
   ``chat_template.json`` or ``chat_template.jinja``);
 - ``generation_config.json``, when present, parses;
 - ``preprocessor_config.json``, when present (released checkpoints ship it),
-  describes Whisper-style audio features (sampling rate, hop length): the
-  thinker then takes audio input (:attr:`OmniCheckpoint.audio_input`);
-  without it, requests with audio are refused.
+  describes Whisper-style audio features (sampling rate, hop length) and
+  the image processor (patch and merge sizes, pixel bounds): the thinker
+  then takes audio and image input (:attr:`OmniCheckpoint.audio_input`,
+  :attr:`OmniCheckpoint.image_input`); without it, requests with media are
+  refused.
 
 Every failure is a ``CheckpointError`` naming the file and the key. Nothing
 is ever written into (or changed in) the directory: files are only opened for
@@ -35,8 +37,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .audio_features import AudioFeatures
 from .checkpoint_tensors import expected_shapes, required_prefixes, required_tensors
+from .media_features import AudioFeatures, ImageFeatures
 
 if TYPE_CHECKING:
     import torch
@@ -365,27 +367,36 @@ class SubConfigs:
         return self.config["code2wav_config"]
 
 
-def _audio_features(path: Path, config: dict) -> AudioFeatures | None:
+def _media_features(path: Path, config: dict) -> tuple[AudioFeatures | None, ImageFeatures | None]:
+    """What the thinker's encoders read, from preprocessor_config.json (none without it)."""
     file = path / PREPROCESSOR_CONFIG
     if not file.exists():
-        return None
+        return None, None
     data = _read_json(file, "preprocessor_config")
     if not isinstance(data, dict):
         raise CheckpointError(file, "(top level)", f"must be a JSON object, got {type(data).__name__}")
+
+    def positive(key: str, default: Any = None) -> int:
+        value = data.get(key, default)
+        if not _is_int(value) or value <= 0:
+            raise CheckpointError(file, key, f"must be a positive integer, got {value!r}")
+        return int(value)
+
     if data.get("feature_extractor_type", "WhisperFeatureExtractor") != "WhisperFeatureExtractor":
         raise CheckpointError(file, "feature_extractor_type",
                               f"{data['feature_extractor_type']!r}; serving reads WhisperFeatureExtractor's features")
-    values = {}
-    for key in ("sampling_rate", "hop_length"):
-        value = data.get(key)
-        if not _is_int(value) or value <= 0:
-            raise CheckpointError(file, key, f"must be a positive integer, got {value!r}")
-        values[key] = int(value)
     n_window = config["thinker_config"].get("audio_config", {}).get("n_window", 50)
     if not _is_int(n_window) or n_window <= 0:
         raise CheckpointError(path / CONFIG, "thinker_config.audio_config.n_window",
                               f"must be a positive integer, got {n_window!r}")
-    return AudioFeatures(rate=values["sampling_rate"], hop=values["hop_length"], n_window=int(n_window))
+    audio = AudioFeatures(rate=positive("sampling_rate"), hop=positive("hop_length"), n_window=int(n_window))
+    image = None
+    if "image_processor_type" in data and "vision_config" in config["thinker_config"]:
+        size = data.get("size") if isinstance(data.get("size"), dict) else {}
+        image = ImageFeatures(patch=positive("patch_size"), merge=positive("merge_size"),
+                              min_pixels=positive("min_pixels", size.get("shortest_edge")),
+                              max_pixels=positive("max_pixels", size.get("longest_edge")))
+    return audio, image
 
 
 @dataclass(frozen=True)
@@ -398,8 +409,9 @@ class OmniCheckpoint(SubConfigs):
     weight_map: dict[str, str]
     # tensor name -> shape, from the shards' headers (no tensor data read)
     shapes: dict[str, list[int]] = field(default_factory=dict, compare=False, repr=False)
-    # the thinker's audio input (preprocessor_config.json); None: text input only
+    # the thinker's audio and image input (preprocessor_config.json); None: not taken
     audio_input: AudioFeatures | None = None
+    image_input: ImageFeatures | None = None
 
     # -- opening
     @classmethod
@@ -427,9 +439,9 @@ class OmniCheckpoint(SubConfigs):
         weight_map, shapes, index_file = _read_weights(path)
         _check_tensors(config, weight_map, shapes, path, index_file)
         _check_tokenizer(path)
-        audio = _audio_features(path, config)
+        audio, image = _media_features(path, config)
         return cls(path=path, config=config, generation_config=generation, weight_map=weight_map, shapes=shapes,
-                   audio_input=audio)
+                   audio_input=audio, image_input=image)
 
     # -- weights
     def shard_files(self, prefix: str = "") -> list[Path]:

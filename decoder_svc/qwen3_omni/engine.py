@@ -24,12 +24,15 @@ from typing import Any
 from decoder_svc.backend import RequestSpec
 from decoder_svc.engine_settings import EffectiveSettings, EngineSettings, resolve, resolve_vocoder
 from decoder_svc.profile import Profile
+from omni_common.conversation import image_parts
 from omni_common.errors import FailedPreconditionError, InvalidArgumentError
 from omni_common.materialize import sources_of
+from omni_common.media import ImageInput
 
 from .backends import THINKER_EMBED, THINKER_HIDDEN, TalkerBackend, ThinkerBackend
 from .cache import default_model_dir
 from .checkpoint import OmniCheckpoint
+from .media_features import MAX_ASPECT_RATIO
 from .vocoder import CheckpointVocoder
 
 log = logging.getLogger(__name__)
@@ -45,8 +48,11 @@ class ChatPrompts:
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(checkpoint.path))
         self.end_of_turn = int(checkpoint.config["im_end_token_id"])
-        self.audio_input = getattr(checkpoint, "audio_input", None)  # None: text input only
-        self.audio_token = int(checkpoint.config.get("thinker_config", {}).get("audio_token_id", -1))
+        self.audio_input = getattr(checkpoint, "audio_input", None)  # None: no audio input
+        self.image_input = getattr(checkpoint, "image_input", None)  # None: no image input
+        thinker = checkpoint.config.get("thinker_config", {})
+        self.audio_token = int(thinker.get("audio_token_id", -1))
+        self.image_token = int(thinker.get("image_token_id", -2))
         # the first stage's context (a chat prompt's), and the talker's (a
         # text spoken as written; 0: the first stage's)
         self.max_model_len = max_model_len
@@ -97,50 +103,64 @@ class ChatPrompts:
     def chat(self, spec: RequestSpec) -> RequestSpec:
         """The request's conversation through the chat template, every turn
         in order (omni profile); or its text as the user's message, after a
-        system turn holding its instructions, if any."""
-        audio = spec.audio
+        system turn holding its instructions, if any. Media placeholders are
+        expanded (:meth:`_expand`)."""
         if spec.messages:
             prompt = self._render([{"role": role, "content": _template_content(content)}
                                    for role, content in spec.messages])
-            if audio:
-                prompt, audio = self._expand_audio(prompt, audio)
+            if spec.audio or spec.images:
+                spec = self._expand(prompt, spec)
+                prompt = spec.prompt_token_ids
         else:
             prompt = self._user_prompt(spec.prompt, spec.instructions)
         self._check_length(len(prompt), spec.max_tokens, "messages" if spec.messages else "prompt")
-        return dataclasses.replace(spec, prompt_token_ids=prompt, audio=audio)
+        return dataclasses.replace(spec, prompt_token_ids=prompt)
 
-    def _expand_audio(self, prompt: list[int], clips: tuple[Any, ...]) -> tuple[list[int], tuple[Any, ...]]:
-        """The prompt with each audio placeholder (one token per clip, where the
-        chat template put it) repeated as many times as the clip has audio
-        tokens, the ids the thinker's positions follow; and the clips padded
-        to whole feature frames (the count the audio tower and the reference
-        processor agree on)."""
+    def _expand(self, prompt: list[int], spec: RequestSpec) -> RequestSpec:
+        """``spec`` with the prompt whose media placeholders (one token per part,
+        where the chat template put it) are each repeated as many times as the
+        part has tokens: the ids the thinker's positions follow. Clips are
+        padded to whole feature frames (the count the audio tower and the
+        reference processor agree on); each image's patch grid is recorded
+        (``image_grids``: the talker's 3-D positions)."""
         import numpy as np
 
-        features = self.audio_input
-        if features is None:  # the decoder refuses audio before this (DeploymentSettings)
-            raise FailedPreconditionError("this model takes no audio input (no preprocessor_config.json)")
-        at = [i for i, t in enumerate(prompt) if t == self.audio_token]
-        if len(at) != len(clips):  # a text part that spells the audio token itself
+        clips, images = spec.audio, spec.images
+        audio, vision = self.audio_input, self.image_input
+        if (clips and audio is None) or (images and vision is None):  # refused before this (DeploymentSettings)
+            raise FailedPreconditionError("this model takes no such media input (its preprocessor_config.json)")
+        counts: list[int] = []
+        if clips:
+            clips = tuple(np.pad(c, (0, -len(c) % audio.hop)) for c in clips)  # type: ignore[union-attr]
+            counts += [audio.tokens(len(c)) for c in clips]  # type: ignore[union-attr]
+        grids: list[tuple[int, int, int]] = []
+        for part, image in zip(image_parts(spec.messages), images, strict=True):
+            height, width = int(image.shape[0]), int(image.shape[1])
+            if max(height, width) > MAX_ASPECT_RATIO * min(height, width):
+                raise InvalidArgumentError(
+                    f"{part.field}.data", f"is {width}x{height}: its long side may be at most {MAX_ASPECT_RATIO} times "
+                                          "its short side")
+            grids.append(vision.grid(height, width))  # type: ignore[union-attr]
+        if prompt.count(self.audio_token) != len(clips) or prompt.count(self.image_token) != len(images):
             raise InvalidArgumentError(
-                "messages", f"the prompt has {len(at)} audio placeholders for {len(clips)} audio parts: "
-                            "a text part may not contain the model's audio token")
-        padded = tuple(np.pad(c, (0, -len(c) % features.hop)) for c in clips)
+                "messages", "the prompt's media placeholders do not match its media parts: a text part may not "
+                            "contain the model's audio or image token")
+        tokens = {self.audio_token: iter(counts),
+                  self.image_token: iter(t * h * w // vision.merge ** 2 for t, h, w in grids)}  # type: ignore[union-attr]
         out: list[int] = []
-        prev = 0
-        for i, clip in zip(at, padded, strict=True):
-            out += prompt[prev:i] + [self.audio_token] * features.tokens(len(clip))
-            prev = i + 1
-        return out + prompt[prev:], padded
+        for t in prompt:
+            out += [t] * next(tokens[t]) if t in tokens else [t]
+        return dataclasses.replace(spec, prompt_token_ids=out, audio=clips, image_grids=tuple(grids))
 
 
 def _template_content(content: Any) -> Any:
     """A turn's content as the chat template takes it: its text, or its parts
-    (text, and audio parts as ``{"type": "audio"}``: the template writes their
-    placeholders)."""
+    (text, and media parts as ``{"type": "audio"}`` / ``{"type": "image"}``:
+    the template writes their placeholders)."""
     if isinstance(content, str):
         return content
-    return [{"type": "text", "text": p} if isinstance(p, str) else {"type": "audio"} for p in content]
+    return [{"type": "text", "text": p} if isinstance(p, str)
+            else {"type": "image" if isinstance(p, ImageInput) else "audio"} for p in content]
 
 
 # The checkpoint's Code2Wav behind the generation stage's streaming interface

@@ -187,6 +187,7 @@ class TalkerPromptBuilder:
         self._start = -1  # thinker position of trailing row 0 (after head)
         self._next = 0  # trailing rows handed out
         self._specials: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+        self.user_positions: list[int] = []  # set by head()
         self.finished = False  # the reply ended (no more rows will come)
         self.complete = False  # every trailing row was handed out (then tts_pad)
 
@@ -257,6 +258,7 @@ class TalkerPromptBuilder:
                 last = i
             role[i] = seq[min(last + 1, p - 1)]
         user = (role == ids.user).nonzero().squeeze(1)
+        self.user_positions = [int(u) for u in user]  # the prompt positions the talker's user part reads
         if user.numel() == 0:
             raise InvalidArgumentError("prompt", "the chat prompt has no user turn")
         mm = torch.tensor([seq[int(i)] in ids.multimodal for i in user], dtype=torch.bool)

@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from .code_predictor import CodePredictor
+from .talker_rope import StepRotary, TalkerRope
 from .talker_slots import TalkerRequestState, TalkerSlots
 
 __all__ = [
@@ -81,6 +82,14 @@ def talker_config_view(config: Mapping[str, Any]) -> dict[str, Any]:
         },
     )
     view["omni_talker"]["code_predictor_config"] = dict(talker["code_predictor_config"])
+    if rope.get("mrope_section"):  # the M-RoPE the talker applies itself to image positions (.talker_rope)
+        view["omni_talker"]["mrope"] = {
+            "mrope_section": list(rope["mrope_section"]),
+            "rope_theta": theta,
+            "image_token_id": int(talker.get("image_token_id", -1)),
+            "spatial_merge_size": int(talker.get("spatial_merge_size", 2)),
+            "position_id_per_seconds": float(talker.get("position_id_per_seconds", 1)),
+        }
     return view
 
 
@@ -240,6 +249,15 @@ def _build_classes():
             suppress[self.codec_eos_token_id] = False
             self.register_buffer("_suppress", suppress, persistent=False)
             self.slots: TalkerSlots | None = None  # per-request state (bind_runner)
+            self.rope3: TalkerRope | None = None  # 3-D positions of image requests (bind_runner)
+            self._mrope = None
+            if extra.get("mrope"):  # built here: vLLM's rotary modules need the model's config context
+                from vllm.model_executor.layers.rotary_embedding import get_rope
+
+                m = extra["mrope"]
+                self._mrope = get_rope(config.head_dim, config.max_position_embeddings, True,
+                                       {"rope_type": "default", "rope_theta": m["rope_theta"],
+                                        "mrope_section": m["mrope_section"], "mrope_interleaved": True})
 
         # -- wiring -------------------------------------------------------------
         def bind_runner(self, runner: Any) -> None:
@@ -257,15 +275,28 @@ def _build_classes():
                 capacity=2 * int(getattr(runner, "max_num_reqs", 8)) + 1,
             )
             preprocess = runner._preprocess
+            if self._mrope:
+                self._bind_rope3()
 
             def _preprocess(*args: Any, **kwargs: Any) -> Any:
                 ib = runner.input_batch
                 n = ib.num_reqs
-                self.slots.prepare(ib.req_ids[:n], runner.query_start_loc.np[: n + 1],
-                                   ib.num_computed_tokens_cpu[:n], key=_external_id)
+                qsl, computed = runner.query_start_loc.np[: n + 1], ib.num_computed_tokens_cpu[:n]
+                self.slots.prepare(ib.req_ids[:n], qsl, computed, key=_external_id)
+                if self.rope3 is not None:
+                    self.rope3.prepare(ib.req_ids[:n], qsl, computed, key=_external_id)
                 return preprocess(*args, **kwargs)
 
             runner._preprocess = _preprocess
+
+        def _bind_rope3(self) -> None:
+            """Every layer's rotary embedding applies M-RoPE to the rows of
+            requests with 3-D positions (:mod:`.talker_rope`)."""
+            layers = list(islice(self.model.layers, self.model.start_layer, self.model.end_layer))
+            self.rope3 = TalkerRope(self._suppress.device)
+            step = StepRotary(layers[0].self_attn.rotary_emb, self._mrope, self.rope3)
+            for layer in layers:
+                layer.self_attn.rotary_emb = step
 
         # -- vLLM model interface ---------------------------------------------------
         def embed_input_ids(self, input_ids: torch.Tensor, *args, **kwargs) -> torch.Tensor:

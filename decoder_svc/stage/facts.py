@@ -70,3 +70,7 @@ class ReportedFacts:
     @property
     def audio_input_rate(self) -> int:
         return self._fact("audio_input_rate")
+
+    @property
+    def image_input(self) -> bool:
+        return self._fact("image_input")

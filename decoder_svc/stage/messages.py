@@ -144,6 +144,7 @@ class StageFacts:
     min_input_tokens: int | None = None
     hidden_size: int | None = None
     audio_input_rate: int | None = None
+    image_input: bool | None = None
     engine_facts: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
@@ -155,7 +156,7 @@ class StageFacts:
 
 _FACT_NAMES = (
     "role", "max_model_len", "sampling_defaults", "model_name", "num_codebooks", "codec_vocab",
-    "streams_input", "min_input_tokens", "hidden_size", "audio_input_rate",
+    "streams_input", "min_input_tokens", "hidden_size", "audio_input_rate", "image_input",
 )
 
 
