@@ -263,6 +263,7 @@ def test_bad_images_are_refused_naming_the_part(stack):
                  "messages[0].content[1].image.data", words)
     many = [common_pb2.ImageContent(data=png)] * 5
     _refused(target, [("user", many)], "messages[0].content[4].image", "at most 4")
+    _idle(stack.decoder_target)
     final = _generate(target, [("user", [common_pb2.ImageContent(data=png), "What is it?"])], timeout=120)
     assert final.finished and final.text.token_ids
 
@@ -324,6 +325,60 @@ def test_the_audio_towers_output_matches_the_reference(checkpoint, reference):
         assert float((got - ref).abs().max()) <= ENCODER_TOLERANCE, spec.request_id
 
 
+def test_the_vision_towers_output_matches_the_reference(checkpoint, reference):
+    """As the audio tower's: two requests with an image in one step; the
+    rows at image positions equal transformers' ``get_image_features``
+    (its merged patches), within ENCODER_TOLERANCE."""
+    from decoder_svc.backend import RequestSpec
+    from decoder_svc.profile import load_profile
+    from decoder_svc.qwen3_omni.backends import THINKER_EMBED
+    from decoder_svc.qwen3_omni.engine import build_engine
+    from omni_common.media import ImageInput
+
+    images = [_image(120, 200, 10), _image(64, 96, 11)]
+    engine = build_engine(load_profile("omni"), checkpoint, max_num_seqs=4)
+    try:
+        thinker = engine.backends["thinker"]
+        specs = [engine.prepare(RequestSpec(request_id=f"i{i}", prompt="", max_tokens=1, images=(image,),
+                                            messages=(("user", (ImageInput(b""), "What is it?")),)))
+                 for i, image in enumerate(images)]
+        for spec in specs:
+            thinker.add_request(spec)
+        rows: dict[str, torch.Tensor] = {}
+        while thinker.has_unfinished():
+            out = thinker.step()
+            if out is None or THINKER_EMBED not in out.mm_outputs:
+                continue
+            embed, _ = out.mm_outputs[THINKER_EMBED]
+            for i, rid in enumerate(out.request_ids):
+                lo, hi = int(out.query_start_loc[i]), int(out.query_start_loc[i + 1])
+                rows.setdefault(rid, embed[lo:hi])
+    finally:
+        engine.close()
+    from PIL import Image
+
+    image_token = reference.cfg.thinker_config.image_token_id
+    for spec, image in zip(specs, images, strict=True):
+        inputs = reference.proc.image_processor(images=[Image.fromarray(image)], return_tensors="pt")
+        with torch.no_grad():
+            ref = reference.model.thinker.get_image_features(inputs["pixel_values"], inputs["image_grid_thw"],
+                                                             return_dict=True).pooler_output
+        ref = torch.cat(list(ref)) if isinstance(ref, (list, tuple)) else ref
+        at = [i for i, t in enumerate(spec.prompt_token_ids) if t == image_token]
+        got = rows[spec.request_id][at]
+        assert got.shape == ref.shape, (got.shape, ref.shape)
+        assert float((got - ref).abs().max()) <= ENCODER_TOLERANCE, spec.request_id
+
+
+def _idle(target_decoder: str) -> None:
+    """Nothing of the refused requests stays: no request running, no arena slot held."""
+    from omni_serving.v1 import decoder_pb2, decoder_pb2_grpc
+
+    with grpc.insecure_channel(target_decoder) as ch:
+        info = decoder_pb2_grpc.DecoderServiceStub(ch).GetDecoderInfo(decoder_pb2.GetDecoderInfoRequest(), timeout=30)
+    assert info.active_requests == 0, info
+
+
 def _refused(target: str, turns, field: str, words: str) -> None:  # noqa: ANN001
     with pytest.raises(grpc.RpcError) as err:
         _generate(target, turns, timeout=60)
@@ -350,6 +405,7 @@ def test_bad_audio_is_refused_naming_the_part_and_the_stack_keeps_serving(stack)
         _refused(target, [("user", [ask, content])], f"messages[0].content[1].audio.{field}", words)
     many = [common_pb2.AudioContent(data=wav)] * 5
     _refused(target, [("user", many)], "messages[0].content[4].audio", "at most 4")
+    _idle(stack.decoder_target)
     # still serving, audio included
     final = _generate(target, [("user", [common_pb2.AudioContent(data=wav), ask])], timeout=120)
     assert final.finished and final.text.token_ids
