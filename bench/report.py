@@ -57,6 +57,7 @@ RENDERERS = {
     "checkpoint": "bench.checkpoint",
     "code2wav-stream": "bench.code2wav_stream",
     "code-predictor": "bench.code_predictor",
+    "media-input": "bench.media_input",
 }
 INDEX = record.RESULTS_DIR / "INDEX.yaml"
 RESULTS_MD = Path(__file__).resolve().parent / "RESULTS.md"
