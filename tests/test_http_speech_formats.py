@@ -290,6 +290,10 @@ def test_models_list_and_get(gateway: GatewayThread) -> None:
             "default_top_p": 0.0,
             "default_top_k": 0,
             "max_first_chunk_frames": 0,
+            "max_input_audio_parts": 0,
+            "max_input_audio_seconds": 0.0,
+            "max_input_image_parts": 0,
+            "max_input_image_pixels": 0,
         },
         "supports_instructions": False,
         "engine_settings": {},  # the fake decoder's stages say none
