@@ -237,7 +237,7 @@ class ThinkerBackend(VLLMBackend):
         if not spec.audio and not spec.images:
             return
         # the positions the talker's rows follow are the decoder's prompt's:
-        # vLLM's expansion of the audio placeholders must agree with it
+        # vLLM's expansion of the media placeholders must agree with it
         with self._lock:
             internal = self._int_of.get(spec.request_id)
             state = self.engine.output_processor.request_states.get(internal)

@@ -56,8 +56,9 @@ def talker_config_view(config: Mapping[str, Any]) -> dict[str, Any]:
     """config.json for vLLM: the talker's text config as a ``qwen3_moe``
     model, plus what the talker model needs from the talker config.
 
-    Text-only positions make the talker's M-RoPE (t = h = w) the plain 1-D
-    rotary embedding, so the mrope keys are dropped.
+    Text and audio positions make the talker's M-RoPE (t = h = w) the plain
+    1-D rotary embedding, so vLLM gets no mrope keys; the talker applies
+    M-RoPE itself to requests with images (``omni_talker.mrope``, .talker_rope).
     """
     talker = config["talker_config"]
     text = dict(talker["text_config"])
@@ -83,13 +84,8 @@ def talker_config_view(config: Mapping[str, Any]) -> dict[str, Any]:
     )
     view["omni_talker"]["code_predictor_config"] = dict(talker["code_predictor_config"])
     if rope.get("mrope_section"):  # the M-RoPE the talker applies itself to image positions (.talker_rope)
-        view["omni_talker"]["mrope"] = {
-            "mrope_section": list(rope["mrope_section"]),
-            "rope_theta": theta,
-            "image_token_id": int(talker.get("image_token_id", -1)),
-            "spatial_merge_size": int(talker.get("spatial_merge_size", 2)),
-            "position_id_per_seconds": float(talker.get("position_id_per_seconds", 1)),
-        }
+        # (interleaved, as the reference lays Qwen3-Omni's sections out)
+        view["omni_talker"]["mrope"] = {"mrope_section": list(rope["mrope_section"]), "rope_theta": theta}
     return view
 
 
