@@ -254,8 +254,9 @@ def check_against_decoder(
 ) -> None:
     """A request against what the deployment can do (see the module docstring;
     `conversation`: the request's messages, which need a text stage, and whose
-    audio parts need a deployment that takes audio input; `verbatim`: a text
-    spoken as written, which takes no instructions)."""
+    audio and image parts need a deployment that takes them, within its
+    limits; `verbatim`: a text spoken as written, which takes no instructions
+    nor stop sequences)."""
     if instructions and verbatim:
         raise InvalidArgumentError(
             instructions_field,
