@@ -188,10 +188,21 @@ def _checkpoint_summary(ckpt) -> list[tuple[str, str]]:
         ("code2wav", f"{c2w['num_hidden_layers']} layers, hidden {c2w['hidden_size']}, "
                      f"{c2w['num_quantizers']} quantizers, codebook {c2w['codebook_size']}"),
         ("speakers", speakers),
+        ("input", _media_input(ckpt)),
         ("shards", f"{len(shards)} ({', '.join(p.name for p in shards)}), "
                    f"{size / 2**20:.1f} MiB, {len(ckpt.weight_map)} tensors"),
         ("fingerprint", ckpt.fingerprint()),
     ]
+
+
+def _media_input(ckpt) -> str:  # noqa: ANN001
+    """What the thinker takes besides text (preprocessor_config.json)."""
+    taken = ["text"]
+    if ckpt.audio_input is not None:
+        taken.append(f"audio ({ckpt.audio_input.rate} Hz)")
+    if ckpt.image_input is not None:
+        taken.append(f"images ({ckpt.image_input.patch * ckpt.image_input.merge} px per token side)")
+    return ", ".join(taken)
 
 
 def _cmd_conformance(args: argparse.Namespace) -> int:

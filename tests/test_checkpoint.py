@@ -633,6 +633,7 @@ def test_cli_models_check(tiny, capsys):
     assert main(["models", "check", str(tiny)]) == 0
     out = capsys.readouterr().out
     assert ARCHITECTURE in out and "chelsie" in out and SINGLE in out
+    assert "input:       text, audio (16000 Hz), images (32 px per token side)" in out
 
 
 def test_cli_models_check_reports_the_error(tiny, tmp_path, capsys):
