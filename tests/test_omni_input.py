@@ -268,6 +268,27 @@ def test_bad_images_are_refused_naming_the_part(stack):
     assert final.finished and final.text.token_ids
 
 
+def _prefill_rows(thinker, specs) -> dict[str, torch.Tensor]:  # noqa: ANN001
+    """Run ``specs`` on an in-process thinker (all added before its first step)
+    to the end; each request's prefill rows of ``thinker_embed`` (every prompt
+    position: its input embeddings, the encoders' output at media positions)."""
+    from decoder_svc.qwen3_omni.backends import THINKER_EMBED
+
+    for spec in specs:
+        thinker.add_request(spec)
+    rows: dict[str, torch.Tensor] = {}
+    while thinker.has_unfinished():
+        out = thinker.step()
+        if out is None or THINKER_EMBED not in out.mm_outputs:
+            continue
+        embed, _ = out.mm_outputs[THINKER_EMBED]
+        for i, rid in enumerate(out.request_ids):
+            lo, hi = int(out.query_start_loc[i]), int(out.query_start_loc[i + 1])
+            rows.setdefault(rid, embed[lo:hi])
+    assert sorted(rows) == sorted(s.request_id for s in specs), "every request prefilled"
+    return rows
+
+
 ENCODER_TOLERANCE = 1e-5
 """The audio tower's output on vLLM against transformers' (float32, CPU): max abs diff."""
 
@@ -279,7 +300,6 @@ def test_the_audio_towers_output_matches_the_reference(checkpoint, reference):
     each clip, within ENCODER_TOLERANCE."""
     from decoder_svc.backend import RequestSpec
     from decoder_svc.profile import load_profile
-    from decoder_svc.qwen3_omni.backends import THINKER_EMBED
     from decoder_svc.qwen3_omni.engine import build_engine
     from decoder_svc.vllm_engine.engine_factory import get_model_runner
     from omni_common.media import AudioInput
@@ -296,18 +316,7 @@ def test_the_audio_towers_output_matches_the_reference(checkpoint, reference):
         specs = [engine.prepare(RequestSpec(request_id=f"a{i}", prompt="", max_tokens=1, audio=(clip,),
                                             messages=(("user", (AudioInput(b""), "What is it?")),)))
                  for i, clip in enumerate(clips)]
-        for spec in specs:
-            thinker.add_request(spec)
-        rows: dict[str, torch.Tensor] = {}
-        while thinker.has_unfinished():
-            out = thinker.step()
-            if out is None or THINKER_EMBED not in out.mm_outputs:
-                continue
-            embed, _ = out.mm_outputs[THINKER_EMBED]
-            for i, rid in enumerate(out.request_ids):
-                lo, hi = int(out.query_start_loc[i]), int(out.query_start_loc[i + 1])
-                rows.setdefault(rid, embed[lo:hi])  # the prefill: every prompt position
-        assert sorted(rows) == ["a0", "a1"], "both requests prefilled"
+        rows = _prefill_rows(thinker, specs)
     finally:
         engine.close()
     audio_token = reference.cfg.thinker_config.audio_token_id
@@ -331,7 +340,6 @@ def test_the_vision_towers_output_matches_the_reference(checkpoint, reference):
     (its merged patches), within ENCODER_TOLERANCE."""
     from decoder_svc.backend import RequestSpec
     from decoder_svc.profile import load_profile
-    from decoder_svc.qwen3_omni.backends import THINKER_EMBED
     from decoder_svc.qwen3_omni.engine import build_engine
     from omni_common.media import ImageInput
 
@@ -342,17 +350,7 @@ def test_the_vision_towers_output_matches_the_reference(checkpoint, reference):
         specs = [engine.prepare(RequestSpec(request_id=f"i{i}", prompt="", max_tokens=1, images=(image,),
                                             messages=(("user", (ImageInput(b""), "What is it?")),)))
                  for i, image in enumerate(images)]
-        for spec in specs:
-            thinker.add_request(spec)
-        rows: dict[str, torch.Tensor] = {}
-        while thinker.has_unfinished():
-            out = thinker.step()
-            if out is None or THINKER_EMBED not in out.mm_outputs:
-                continue
-            embed, _ = out.mm_outputs[THINKER_EMBED]
-            for i, rid in enumerate(out.request_ids):
-                lo, hi = int(out.query_start_loc[i]), int(out.query_start_loc[i + 1])
-                rows.setdefault(rid, embed[lo:hi])
+        rows = _prefill_rows(thinker, specs)
     finally:
         engine.close()
     from PIL import Image
