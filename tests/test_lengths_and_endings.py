@@ -633,6 +633,8 @@ def test_decoder_info_and_list_models(stack: Stack) -> None:
         default_temperature=0.9, default_top_p=1.0, default_top_k=50, max_first_chunk_frames=25)  # fmt: skip
     assert tts.limits == expected
     expected.default_text_tokens, expected.max_text_tokens = 512, 8191
+    # the fake thinker takes audio parts (decoder_svc.testing.fake_engine)
+    expected.max_input_audio_parts, expected.max_input_audio_seconds = 4, 60
     assert omni.limits == expected
 
     for target, info in ((stack.tts_gateway, tts), (stack.omni_gateway, omni)):

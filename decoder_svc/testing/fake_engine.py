@@ -33,7 +33,9 @@ slow model: every step that runs such a request takes at least
 ``FAKE_SLOW_STEP_S`` (the whole batch waits, as it would on a busy model), so
 a test can hold a request in flight for seconds whether its client reads or
 not. A thinker puts a request's instructions in its prompt
-(``instructions + "\n" + prompt``, byte tokens), as a system turn would.
+(``instructions + "\n" + prompt``, byte tokens), as a system turn would, and
+takes audio parts (decoded at ``AUDIO_INPUT_RATE``): it hears one token per
+80 ms of a clip, so a longer question gets a longer answer.
 """
 
 from __future__ import annotations
@@ -62,6 +64,10 @@ FAKE_SLOW_MARKER = "<|fake-slow|>"
 """Test only: a prompt with this text makes the fake talker's steps slow (see the module docstring)."""
 FAKE_SLOW_STEP_S = 0.005
 """Seconds a step that runs a slow request takes at least: 200 frames a second at most."""
+AUDIO_INPUT_RATE = 16_000
+"""The fake thinker takes audio parts, decoded at this rate (the first stage's audio input rate)."""
+AUDIO_TOKEN_SAMPLES = 1280
+"""Samples of audio per token the fake thinker hears (80 ms at `AUDIO_INPUT_RATE`)."""
 _LOOP_HEAD, _LOOP_PERIOD = 8, 3
 _ENDLESS = 1 << 40
 
@@ -97,11 +103,24 @@ def frames_for(prompt_ids: list[int], max_tokens: int) -> int:
     return min(n, max_tokens) if max_tokens > 0 else n
 
 
+def audio_ids(clip: np.ndarray) -> list[int]:
+    """What the fake thinker hears of a decoded clip (mono at `AUDIO_INPUT_RATE`):
+    one token per `AUDIO_TOKEN_SAMPLES` (80 ms; a shorter clip is one token),
+    its id the window's loudness (RMS x 1000, at most 255)."""
+    clip = np.asarray(clip, dtype=np.float32).reshape(-1)
+    n = max(1, len(clip) // AUDIO_TOKEN_SAMPLES)
+    windows = np.resize(clip, n * AUDIO_TOKEN_SAMPLES).reshape(n, AUDIO_TOKEN_SAMPLES) if len(clip) else np.zeros((1, 1))
+    rms = np.sqrt(np.mean(np.square(windows, dtype=np.float64), axis=1))
+    return [int(min(255, round(v * 1000))) for v in rms]
+
+
 def prompt_ids_for(spec: RequestSpec) -> list[int]:
     """The fake thinker's prompt: the instructions (a system turn's place), then the text;
-    a conversation's turns joined by newlines (a system turn then a user turn: the same ids)."""
+    a conversation's turns joined by newlines (a system turn then a user turn: the same ids),
+    then what it hears of the conversation's audio parts (`audio_ids`)."""
     if spec.messages:
-        return tokenize("\n".join(turn_text(content) for _, content in spec.messages))
+        ids = tokenize("\n".join(turn_text(content) for _, content in spec.messages))
+        return ids + [i for clip in spec.audio for i in audio_ids(clip)]
     if spec.instructions:
         return tokenize(spec.instructions + "\n" + spec.prompt)
     return tokenize(spec.prompt)
@@ -130,6 +149,8 @@ class FakeBackend:
         if role not in ("talker", "thinker"):
             raise ValueError(f"role must be 'talker' or 'thinker', got {role!r}")
         self.role = role
+        self.audio_input_rate = AUDIO_INPUT_RATE if role == "thinker" else 0
+        """A thinker takes audio parts (``prompt_ids_for``); a talker reads text only."""
         self.hidden_size = hidden_size
         self.num_codebooks = num_codebooks
         self.codec_vocab = codec_vocab
