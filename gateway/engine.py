@@ -109,9 +109,11 @@ class GatewayEngine:
     async def decoder_info(self) -> DecoderInfo:
         return await self.pool.info()
 
-    async def generate(self, request: GenerationRequest) -> AsyncIterator[OmniRequestOutput]:
-        """Stream a Generate request's outputs (per its output kind)."""
-        with self.admission.slot():
+    async def generate(self, request: GenerationRequest, *, admitted: bool = False) -> AsyncIterator[OmniRequestOutput]:
+        """Stream a Generate request's outputs (per its output kind) in an
+        admission slot of its own, or in the caller's (`admitted`: a realtime
+        session holds one for its whole life)."""
+        with contextlib.nullcontext() if admitted else self.admission.slot():
             info = await self.pool.info()
             check_against_decoder(
                 info,

@@ -20,6 +20,9 @@ Routes:
 * ``GET /v1/audio/speech/stream`` - a WebSocket: text in as it is written,
   audio out as each segment is spoken, cancel (barge-in) on the same call
   (`gateway.http_ws`, `gateway.speak_stream`).
+* ``GET /v1/realtime`` - a WebSocket: a realtime voice session in OpenAI's
+  Realtime API (audio in, audio and transcript out, turn detection,
+  barge-in; `gateway.http_realtime`, `gateway.realtime`).
 * ``POST /v1/realtime/client_secrets`` - a short-lived key for the
   WebSocket routes, in OpenAI's client-secret shape (`gateway.http_auth`).
 * ``GET /`` and ``GET /playground/{name}`` - the playground page and its
@@ -66,6 +69,7 @@ from gateway.http_chat import ChatEndpoint
 from gateway.http_common import error_response, route_label
 from gateway.http_models import ModelsEndpoint
 from gateway.http_playground import add_playground_routes
+from gateway.http_realtime import RealtimeEndpoint
 from gateway.http_speech import SpeechEndpoint
 from gateway.http_ws import SpeechStreamEndpoint
 from gateway.servicer import CLIENT_ERRORS
@@ -103,7 +107,7 @@ class HttpFacade:
             token=auth_token,
             keys=keys,
             origins=AllowedOrigins(allowed_origins),
-            websocket_routes=[SpeechStreamEndpoint.route],
+            websocket_routes=[SpeechStreamEndpoint.route, RealtimeEndpoint.route],
         )
         # Outermost first: the metrics see the final status of every request.
         self.app = web.Application(middlewares=[_http_metrics, _openai_errors, access.middleware],
@@ -114,6 +118,7 @@ class HttpFacade:
             SpeechStreamEndpoint.route.path, SpeechStreamEndpoint(engine).handle
         )
         self.app.router.add_post("/v1/chat/completions", ChatEndpoint(engine).handle)
+        self.app.router.add_get(RealtimeEndpoint.route.path, RealtimeEndpoint(engine).handle)
         self.app.router.add_post(CLIENT_SECRETS_ROUTE, ClientSecretsEndpoint(keys).handle)
         self.app.router.add_get("/v1/models", models.list)
         self.app.router.add_get("/v1/models/{model_id:.+}", models.get)

@@ -26,22 +26,20 @@ import grpc
 from gateway import metrics
 from gateway.decoder_client import DecoderInfo
 from gateway.engine import GatewayEngine
+from gateway.realtime import serve_grpc as serve_realtime
 from gateway.speak_stream import serve_grpc as serve_speak_stream
 from gateway.validation import (
     check_response_size,
     generation_request_from_pb,
     speech_request_from_pb,
 )
-from omni_common.errors import OmniError, grpc_code_for, log_internal, public_message
+from omni_common.errors import CLIENT_ERRORS, OmniError, grpc_code_for, log_internal, public_message
 from omni_common.server import cancelled_by_client
 from omni_serving.v1 import gateway_pb2, gateway_pb2_grpc, payload_pb2
 
 logger = logging.getLogger(__name__)
 
 SERVICE_NAME = gateway_pb2.DESCRIPTOR.services_by_name["OmniGatewayService"].full_name
-
-CLIENT_ERRORS = (OmniError, grpc.RpcError)
-"""Exceptions that end a call with the code `grpc_code_for` gives them."""
 
 
 class OmniGatewayService(gateway_pb2_grpc.OmniGatewayServiceServicer):
@@ -82,6 +80,15 @@ class OmniGatewayService(gateway_pb2_grpc.OmniGatewayServiceServicer):
         """Text in, audio out, on one call (`gateway.speak_stream`)."""
         async with _served(context, "SpeakStream"):
             await serve_speak_stream(self._engine, requests, context)
+
+    async def Realtime(
+        self,
+        requests: AsyncIterator[gateway_pb2.RealtimeRequest],
+        context: grpc.aio.ServicerContext,
+    ) -> None:
+        """A realtime voice session (`gateway.realtime`)."""
+        async with _served(context, "Realtime"):
+            await serve_realtime(self._engine, requests, context)
 
     async def ListModels(
         self, request: gateway_pb2.ListModelsRequest, context: grpc.aio.ServicerContext

@@ -111,6 +111,11 @@ class AlreadyExistsError(OmniError):
     code = grpc.StatusCode.ALREADY_EXISTS
 
 
+CLIENT_ERRORS = (OmniError, grpc.RpcError)
+"""Exceptions that end a call with the code `grpc_code_for` gives them (ours,
+and a decoder's status passed on)."""
+
+
 def grpc_code_for(exc: BaseException) -> grpc.StatusCode:
     """Map an exception to the gRPC status code a client should see.
 

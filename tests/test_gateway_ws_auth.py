@@ -30,6 +30,8 @@ from gateway.http_auth import (
     ClientKeys,
     parse_allowed_origins,
 )
+from gateway.http_realtime import PROTOCOL as REALTIME_PROTOCOL
+from gateway.http_realtime import ROUTE as REALTIME_ROUTE
 from gateway.http_ws import PROTOCOL, ROUTE
 from omni_common.errors import InvalidArgumentError
 
@@ -312,6 +314,36 @@ def test_origin_is_checked_on_upgrades(gateway: GatewayThread) -> None:
     # Without Origin (not a browser) the bearer header is enough, as before.
     protocol, events, _ = speak_over_websocket(port, headers={"Authorization": f"Bearer {TOKEN}"})
     assert (protocol, events) == (None, WHOLE_CALL)
+
+
+def test_the_realtime_route_takes_a_browsers_credentials_as_openais_clients_send_them(
+    gateway: GatewayThread,
+) -> None:
+    """``GET /v1/realtime``: a minted key (or the token) in an
+    ``openai-insecure-api-key.`` entry beside ``realtime``; the same refusals
+    as the other WebSocket route; a session opens (``session.created``)."""
+    port = gateway.http_port
+    key, _ = mint(port)
+    offer = {"Sec-WebSocket-Protocol": f"{REALTIME_PROTOCOL}, {KEY_PROTOCOL_PREFIX}{key}"}
+    answer = handshake(port, {"Origin": f"http://127.0.0.1:{port}", **offer}, path=REALTIME_ROUTE)
+    accepted(answer)
+    assert answer.headers["sec-websocket-protocol"] == REALTIME_PROTOCOL, answer.headers
+    refused(handshake(port, {}, path=REALTIME_ROUTE), 401, "invalid_api_key", None)
+    refused(handshake(port, {"Sec-WebSocket-Protocol": f"{REALTIME_PROTOCOL}, {KEY_PROTOCOL_PREFIX}nope"},
+                      path=REALTIME_ROUTE), 401, "invalid_api_key", None)
+    refused(handshake(port, {"Origin": "http://evil.example", **offer}, path=REALTIME_ROUTE), 403,
+            "origin_not_allowed", "Origin")
+
+    async def first_event() -> tuple[str | None, dict]:
+        url = f"http://127.0.0.1:{port}{REALTIME_ROUTE}"
+        async with (
+            aiohttp.ClientSession() as session,
+            session.ws_connect(url, protocols=(REALTIME_PROTOCOL, KEY_PROTOCOL_PREFIX + key)) as ws,
+        ):
+            return ws.protocol, json.loads((await ws.receive()).data)
+
+    protocol, event = asyncio.run(first_event())
+    assert (protocol, event["type"]) == (REALTIME_PROTOCOL, "session.created"), event
 
 
 def test_minting_checks_its_body_and_needs_the_token(gateway: GatewayThread) -> None:
