@@ -457,8 +457,17 @@ def test_bad_events_are_answered_with_errors_and_the_session_goes_on(stack: Stac
             # nothing above changed the session: a turn is answered as usual
             await turn(session, tone(0.5))
             await session.send("response.create")
-            reply = await session.reply()
-            await session.send("response.create")  # a second while one runs: refused, the first goes on
+            await session.send("response.create", event_id="evt_again")  # while one runs: refused
+            events = []
+            while not events or events[-1]["type"] != "response.done":
+                events.append(await session.recv())
+            refused = [e for e in events if e["type"] == "error"]
+            assert [(e["error"]["code"], e["error"]["event_id"]) for e in refused] == [
+                ("conversation_already_has_active_response", "evt_again")], refused
+            reply = Reply(types=[e["type"] for e in events if e["type"] != "error"], done=events[-1])
+            reply.text = "".join(e["delta"] for e in events if e["type"] == "response.output_audio_transcript.delta")
+            reply.audio = b"".join(base64.b64decode(e["delta"]) for e in events
+                                   if e["type"] == "response.output_audio.delta")
             return errors, transport, reply
 
     errors, transport, reply = asyncio.run(run())
@@ -476,6 +485,8 @@ def test_a_client_that_vanishes_mid_answer_frees_everything(stack: Stack) -> Non
                 if line.startswith("omni_gateway_active_streams "):
                     return float(line.split()[1])
         raise AssertionError("no omni_gateway_active_streams")
+
+    wait_idle(stack)  # what earlier tests cancelled is gone
 
     async def run() -> None:
         http = aiohttp.ClientSession()
