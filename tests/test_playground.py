@@ -734,3 +734,103 @@ mintKey(gateway, token)
     assert got["samples"] > 0 and got["samples"] == pytest.approx(got["seconds"] * 24000, abs=1)
     wrong = browser.execute_async_script(script, token_stack.http_url, "wrong", TEXT)
     assert wrong == {"error": "Error: client_secrets: HTTP 401"}, wrong
+
+
+# --------------------------------------------------------------- voice turn
+VOICE_LIVE = (
+    "const p = window.playground; return p && {state: p.state, error: p.error, mode: p.mode,"
+    " recording: p.recording, voiceSeconds: p.voiceSeconds, sentAudio: p.sentAudio,"
+    " responseId: p.responseId, responseStatus: p.responseStatus, transcript: p.transcript,"
+    " bytesReceived: p.bytesReceived, samplesReceived: p.samplesReceived, protocol: p.protocol};"
+)
+
+
+def _tone_wav(path: Path, seconds: float, rate: int, hz: float = 220.0) -> Path:
+    import wave
+
+    import numpy as np
+
+    t = np.arange(int(seconds * rate)) / rate
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes((np.sin(2 * np.pi * hz * t) * 0.4 * 32767).astype("<i2").tobytes())
+    return path
+
+
+@pytest.fixture(scope="module")
+def mic_browser(tmp_path_factory):
+    """Chromium whose microphone is a fake device playing a tone file (looped)."""
+    _require_browser()
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    mic = _tone_wav(tmp_path_factory.mktemp("mic") / "mic.wav", 2.0, 48000)
+    profile = tempfile.mkdtemp(prefix="omni-chromium-")
+    options = webdriver.ChromeOptions()
+    options.binary_location = str(CHROMIUM)
+    for flag in [*CHROMIUM_FLAGS, f"--user-data-dir={profile}", "--use-fake-device-for-media-stream",
+                 "--use-fake-ui-for-media-stream", f"--use-file-for-fake-audio-capture={mic}"]:
+        options.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(executable_path=str(CHROMEDRIVER)), options=options)
+    driver.set_page_load_timeout(30)
+    try:
+        yield driver
+    finally:
+        driver.quit()
+        shutil.rmtree(profile, ignore_errors=True)
+
+
+def _voice_turn_matches_generate(driver, stack: Stack) -> dict:
+    """Speak in voice mode; the answer the page played equals gRPC Generate of
+    the audio it sent, with the response's seed (tests/realtime_client.py)."""
+    import zlib
+
+    from realtime_client import audio_part, generate
+
+    driver.find_element("id", "speak").click()
+    _wait(driver, lambda d: _live(d).get("state") in ("done", "error", "stopped"), 60, "the voice turn to end")
+    live = driver.execute_script(VOICE_LIVE)
+    assert live["state"] == "done" and live["error"] is None and live["mode"] == "voice", live
+    assert live["responseStatus"] == "completed" and live["protocol"] == "realtime", live
+    sent = base64.b64decode(live["sentAudio"])
+    text, pcm = generate(stack.gateway_target, [("user", [audio_part(sent)])], zlib.crc32(live["responseId"].encode()),
+                         voice=VOICE)
+    assert text and live["transcript"] == text, (live["transcript"], text)
+    assert live["bytesReceived"] == len(pcm) and live["samplesReceived"] == len(pcm) // 2, (live, len(pcm))
+    return {**live, "sent": sent}
+
+
+@pytest.mark.e2e
+def test_voice_turn_from_the_microphone_and_from_a_file(mic_browser, omni_stack: Stack, tmp_path: Path) -> None:
+    """Record (the fake microphone plays a tone), send, hear the answer; then
+    the same with a WAV file picked (16 kHz: the page resamples it to 24 kHz)."""
+    import numpy as np
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    driver = mic_browser
+    _open(driver, omni_stack.http_url)
+    Select(driver.find_element(By.ID, "mode")).select_by_value("voice")
+    assert driver.find_element(By.ID, "voice-panel").is_displayed()
+    assert not driver.find_element(By.ID, "text").is_displayed()
+    Select(driver.find_element(By.ID, "voice-select")).select_by_value(VOICE)
+    driver.find_element(By.ID, "record").click()
+    _wait(driver, lambda d: d.execute_script(VOICE_LIVE)["voiceSeconds"] >= 1.2, 30, "1.2 s recorded")
+    driver.find_element(By.ID, "record").click()
+    _wait(driver, lambda d: not d.execute_script(VOICE_LIVE)["recording"], 10, "the recording to stop")
+    assert driver.find_element(By.ID, "voice-status").text.startswith("recorded: ")
+    recorded = _voice_turn_matches_generate(driver, omni_stack)
+    samples = np.frombuffer(recorded["sent"], dtype="<i2").astype(np.float64) / 32768
+    assert len(samples) >= int(1.2 * 24000), len(samples)
+    assert np.sqrt(np.mean(samples ** 2)) > 0.1, "the microphone's tone did not reach the question"
+    shot = _artifact_dir(tmp_path) / "playground-voice.png"
+    driver.save_screenshot(str(shot))
+    print(f"playground voice screenshot: {shot}")
+
+    wav = _tone_wav(tmp_path / "question.wav", 0.8, 16000, hz=330.0)
+    driver.find_element(By.ID, "voice-file").send_keys(str(wav))
+    _wait(driver, lambda d: d.find_element(By.ID, "voice-status").text == "question.wav: 0.8 s", 10, "the file read")
+    picked = _voice_turn_matches_generate(driver, omni_stack)
+    assert len(picked["sent"]) // 2 == int(0.8 * 24000), len(picked["sent"])

@@ -1,5 +1,6 @@
 // omni-serving playground: streams /v1/audio/speech (raw PCM16LE), chat
-// completions or the text-in WebSocket into Web Audio while it arrives.
+// completions, the text-in WebSocket or a realtime voice turn into Web Audio
+// while it arrives.
 // Plain script, no build step, same-origin requests only.
 "use strict";
 
@@ -15,6 +16,10 @@
   // minted for this one connection, never the token itself.
   const KEY_PROTOCOL_PREFIX = "openai-insecure-api-key.";
   const KEY_SECONDS = 10; // the shortest the gateway mints: it only has to last until the handshake
+  const REALTIME_ROUTE = "/v1/realtime";
+  const REALTIME_PROTOCOL = "realtime";
+  const VOICE_RATE = 24000; // the realtime session's PCM16 rate, both ways
+  const APPEND_BYTES = 4800; // 100 ms of PCM16 a piece
 
   // Live figures, read by tests (and handy in the console).
   const live = {
@@ -33,6 +38,11 @@
     transcript: "", // chat mode: the reply's text; stream mode: the segments spoken
     segments: 0, // stream mode: segments started
     protocol: null, // stream mode: the subprotocol the gateway echoed
+    recording: false, // voice mode: the microphone is being recorded
+    voiceSeconds: 0, // voice mode: the question recorded or picked
+    sentAudio: null, // voice mode: the question as sent (base64 PCM16 24 kHz)
+    responseId: null, // voice mode: the realtime response
+    responseStatus: null, // voice mode: its status at response.done
   };
   window.playground = live;
 
@@ -60,6 +70,11 @@
     chatPanel: $("chat-panel"),
     transcriptLabel: $("transcript-label"),
     transcript: $("transcript"),
+    textField: $("text-field"),
+    voicePanel: $("voice-panel"),
+    record: $("record"),
+    voiceFile: $("voice-file"),
+    voiceStatus: $("voice-status"),
   };
 
   // ---------------------------------------------------------------- PCM16LE
@@ -308,6 +323,15 @@
     chat.disabled = Boolean(model && Array.isArray(model.modalities) && !model.modalities.includes("text"));
     chat.title = chat.disabled ? "this model produces no text" : "POST /v1/chat/completions";
     if (chat.disabled && ui.mode.value === "chat") {
+      ui.mode.value = "speech";
+      showMode();
+    }
+    // A voice turn needs a model that hears audio.
+    const voiceTurn = ui.mode.querySelector('option[value="voice"]');
+    const limits = model && model.limits;
+    voiceTurn.disabled = Boolean(model && !(chat.disabled === false && limits && limits.max_input_audio_parts > 0));
+    voiceTurn.title = voiceTurn.disabled ? "this model takes no audio input" : "WebSocket /v1/realtime";
+    if (voiceTurn.disabled && ui.mode.value === "voice") {
       ui.mode.value = "speech";
       showMode();
     }
@@ -581,13 +605,184 @@
     });
   }
 
+  // ------------------------------------------------------------ voice turn
+  // The question: microphone or file, as PCM16 at 24 kHz mono.
+  let voicePcm = null;
+  let recorder = null;
+
+  function pcm16(samples) {
+    const out = new Int16Array(samples.length);
+    for (let i = 0; i < samples.length; i++) {
+      const v = Math.max(-1, Math.min(1, samples[i]));
+      out[i] = Math.round(v < 0 ? v * 32768 : v * 32767);
+    }
+    return out;
+  }
+
+  // Any AudioBuffer as mono at VOICE_RATE (the browser resamples and mixes down).
+  async function atVoiceRate(buffer) {
+    const offline = new OfflineAudioContext(1, Math.max(1, Math.ceil(buffer.duration * VOICE_RATE)), VOICE_RATE);
+    const source = offline.createBufferSource();
+    source.buffer = buffer;
+    source.connect(offline.destination);
+    source.start();
+    return pcm16((await offline.startRendering()).getChannelData(0));
+  }
+
+  function setVoice(pcm, from) {
+    voicePcm = pcm;
+    live.voiceSeconds = pcm.length / VOICE_RATE;
+    ui.voiceStatus.textContent = `${from}: ${live.voiceSeconds.toFixed(1)} s`;
+  }
+
+  async function toggleRecord() {
+    if (recorder) {
+      await stopRecording();
+      return;
+    }
+    clearError();
+    try {
+      const stream = await navigator.mediaDevices.getUserMedia({ audio: true });
+      const ctx = new AudioContext();
+      const source = ctx.createMediaStreamSource(stream);
+      const processor = ctx.createScriptProcessor(4096, 1, 1);
+      const chunks = [];
+      processor.onaudioprocess = (event) => {
+        chunks.push(new Float32Array(event.inputBuffer.getChannelData(0)));
+        live.voiceSeconds = (chunks.length * 4096) / ctx.sampleRate;
+        ui.voiceStatus.textContent = `recording: ${live.voiceSeconds.toFixed(1)} s`;
+      };
+      source.connect(processor);
+      processor.connect(ctx.destination); // (silent) a processor runs only when connected
+      recorder = { stream, ctx, source, processor, chunks };
+      live.recording = true;
+      ui.record.textContent = "Stop recording";
+      ui.record.dataset.recording = "true";
+    } catch (err) {
+      showError(`microphone: ${err.message}`);
+    }
+  }
+
+  async function stopRecording() {
+    const r = recorder;
+    recorder = null;
+    r.source.disconnect();
+    r.processor.disconnect();
+    for (const track of r.stream.getTracks()) track.stop();
+    const n = r.chunks.reduce((total, c) => total + c.length, 0);
+    const buffer = r.ctx.createBuffer(1, Math.max(1, n), r.ctx.sampleRate);
+    let offset = 0;
+    for (const c of r.chunks) {
+      buffer.copyToChannel(c, 0, offset);
+      offset += c.length;
+    }
+    await r.ctx.close();
+    setVoice(await atVoiceRate(buffer), "recorded");
+    live.recording = false;
+    ui.record.textContent = "Record";
+    ui.record.dataset.recording = "false";
+  }
+
+  async function pickFile() {
+    const file = ui.voiceFile.files[0];
+    if (!file) return;
+    clearError();
+    try {
+      const decoded = await new OfflineAudioContext(1, 1, VOICE_RATE).decodeAudioData(await file.arrayBuffer());
+      setVoice(await atVoiceRate(decoded), file.name);
+    } catch (err) {
+      showError(`${file.name}: this browser cannot read it as audio (${err.message})`);
+    }
+  }
+
+  function bytesBase64(bytes) {
+    let text = "";
+    for (let i = 0; i < bytes.length; i += 0x8000) {
+      text += String.fromCharCode.apply(null, bytes.subarray(i, i + 0x8000));
+    }
+    return btoa(text);
+  }
+
+  function voiceRequest() {
+    if (recorder) throw new Error("stop the recording first");
+    if (!voicePcm) throw new Error("record a question or pick an audio file first");
+    const output = {};
+    const voice = currentVoice();
+    if (voice) output.voice = voice;
+    return {
+      session: { type: "realtime", audio: { input: { turn_detection: null }, output } },
+      pcm: new Uint8Array(voicePcm.buffer, voicePcm.byteOffset, voicePcm.byteLength),
+    };
+  }
+
+  // GET /v1/realtime: one turn: the question appended and committed, then the
+  // answer's audio and transcript as they come (OpenAI's Realtime events).
+  async function realtimeAndPlay(request, ctx, onAudio, onText) {
+    const key = await websocketKey();
+    const protocols = key ? [REALTIME_PROTOCOL, KEY_PROTOCOL_PREFIX + key] : [REALTIME_PROTOCOL];
+    const scheme = location.protocol === "https:" ? "wss:" : "ws:";
+    const ws = new WebSocket(`${scheme}//${location.host}${REALTIME_ROUTE}`, protocols);
+    await new Promise((resolve, reject) => {
+      let opened = false;
+      let done = false;
+      let failure = null;
+      const onAbort = () => {
+        ws.close(1000); // the gateway cancels the answer
+        reject(new DOMException("stopped", "AbortError"));
+      };
+      controller.signal.addEventListener("abort", onAbort, { once: true });
+      ws.onopen = () => {
+        opened = true;
+        live.protocol = ws.protocol;
+        ws.send(JSON.stringify({ type: "session.update", session: request.session }));
+        for (let i = 0; i < request.pcm.length; i += APPEND_BYTES) {
+          const audio = bytesBase64(request.pcm.subarray(i, i + APPEND_BYTES));
+          ws.send(JSON.stringify({ type: "input_audio_buffer.append", audio }));
+        }
+        live.sentAudio = bytesBase64(request.pcm);
+        ws.send(JSON.stringify({ type: "input_audio_buffer.commit" }));
+        ws.send(JSON.stringify({ type: "response.create" }));
+      };
+      ws.onmessage = (event) => {
+        const message = JSON.parse(event.data);
+        if (message.type === "response.created") {
+          live.responseId = message.response.id;
+          live.sampleRate = VOICE_RATE;
+          waveform.reset(VOICE_RATE);
+          player = new StreamPlayer(ctx, VOICE_RATE);
+          setState("streaming");
+        } else if (message.type === "response.output_audio.delta") {
+          onAudio(base64Bytes(message.delta));
+        } else if (message.type === "response.output_audio_transcript.delta") {
+          onText(message.delta);
+        } else if (message.type === "response.done") {
+          live.responseStatus = message.response.status;
+          done = true;
+          ws.close(1000);
+        } else if (message.type === "error") {
+          failure = `realtime error: ${errorObjectText(message.error)}`;
+          ws.close(1000);
+        }
+      };
+      ws.onclose = (event) => {
+        controller.signal.removeEventListener("abort", onAbort);
+        if (failure) reject(new ServerError(failure));
+        else if (done) resolve();
+        else if (!opened) {
+          reject(new ServerError("the gateway refused the WebSocket: a wrong token, or a page from another origin"));
+        } else reject(new Error(`the WebSocket closed (code ${event.code}) before the answer ended`));
+      };
+    });
+  }
+
   async function speak() {
     if (controller) return;
     clearError();
     const mode = ui.mode.value;
     let request;
     try {
-      request = mode === "chat" ? chatRequest() : mode === "stream" ? streamRequest() : speechRequest();
+      const requests = { chat: chatRequest, stream: streamRequest, voice: voiceRequest, speech: speechRequest };
+      request = requests[mode]();
     } catch (err) {
       showError(err.message);
       setState("error");
@@ -604,6 +799,9 @@
       transcript: "",
       segments: 0,
       protocol: null,
+      sentAudio: null,
+      responseId: null,
+      responseStatus: null,
     });
     ui.transcript.textContent = "";
     const started = performance.now();
@@ -631,6 +829,7 @@
     };
     try {
       if (mode === "stream") await streamAndPlay(request, ctx, onAudio, onText);
+      else if (mode === "voice") await realtimeAndPlay(request, ctx, onAudio, onText);
       else await postAndPlay(request, mode === "chat", ctx, onAudio, onText);
       waveform.finish();
       if (decoder.pendingBytes) showError("the stream ended in the middle of a sample (odd byte count)");
@@ -660,13 +859,19 @@
   }
 
   function showMode() {
+    const voice = ui.mode.value === "voice";
     ui.chatPanel.hidden = ui.mode.value === "speech";
     ui.transcriptLabel.textContent = ui.mode.value === "stream" ? "Segments spoken" : "Reply";
+    ui.textField.hidden = voice;
+    ui.voicePanel.hidden = !voice;
+    ui.seed.parentElement.hidden = voice; // a realtime session takes no seed
   }
 
   ui.speak.addEventListener("click", speak);
   ui.stop.addEventListener("click", stop);
   ui.mode.addEventListener("change", showMode);
+  ui.record.addEventListener("click", toggleRecord);
+  ui.voiceFile.addEventListener("change", pickFile);
   ui.model.addEventListener("change", showModelVoices);
   ui.token.addEventListener("change", loadModels);
   ui.text.addEventListener("keydown", (event) => {
