@@ -18,9 +18,9 @@ RESULTS.md differs from what the files give.
 --preset released`) and records its memory plan, resident memory per
 process, TTFP per concurrency, step composition and Code2Wav's RTF.
 
-`code-predictor` and `media-input` (not part of all) have their own options
-(`omni-serving bench code-predictor --help`, `... media-input --help`) and
-write their results files the same way.
+`code-predictor`, `media-input` and `realtime` (not part of all) have their
+own options (`omni-serving bench code-predictor --help`, `... media-input
+--help`, `... realtime --help`) and write their results files the same way.
 """
 
 from __future__ import annotations
@@ -123,6 +123,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench import media_input
 
         return media_input.main(argv[1:])
+    if argv[:1] == ["realtime"]:
+        from bench import realtime
+
+        return realtime.main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.replicas < 1:

@@ -58,6 +58,7 @@ RENDERERS = {
     "code2wav-stream": "bench.code2wav_stream",
     "code-predictor": "bench.code_predictor",
     "media-input": "bench.media_input",
+    "realtime": "bench.realtime",
 }
 INDEX = record.RESULTS_DIR / "INDEX.yaml"
 RESULTS_MD = Path(__file__).resolve().parent / "RESULTS.md"
