@@ -153,7 +153,8 @@ def wait_idle(stack: Stack, timeout: float = 30.0) -> float:
 def test_the_official_sdk_holds_a_session_audio_in_audio_and_transcript_out(stack: Stack) -> None:
     """openai's own client, unmodified: two spoken turns, each answered with audio
     and its transcript, each answer equal to Generate of the conversation so far
-    (the first reply read back as its transcript)."""
+    (the first reply read back as its transcript); then barge-in: a long answer
+    cancelled at its first audio and truncated to what was heard."""
     first, second = tone(1.2), tone(0.7, hz=330.0)
 
     async def run() -> list[tuple[str, bytes, str]]:
@@ -179,6 +180,25 @@ def test_the_official_sdk_holds_a_session_audio_in_audio_and_transcript_out(stac
                         assert event.response.usage.output_token_details.text_tokens == len(text)
                         replies.append((text, audio, event.response.id))
                         break
+            # barge-in: a long answer cancelled at its first audio, then cut to what was heard
+            await conn.conversation.item.create(item={"type": "message", "role": "user", "content": [
+                {"type": "input_text", "text": LONG_TEXT}]})
+            await conn.response.create()
+            seen = []
+            async for event in conn:
+                validate(event.to_dict())
+                assert event.type != "error", event
+                seen.append(event.type)
+                if event.type == "response.output_audio.delta" and seen.count(event.type) == 1:
+                    await conn.response.cancel()
+                elif event.type == "response.done":
+                    assert (event.response.status, event.response.status_details.reason) == (
+                        "cancelled", "client_cancelled"), event.response
+                    await conn.conversation.item.truncate(item_id=event.response.output[0].id, content_index=0,
+                                                          audio_end_ms=10)
+                elif event.type == "conversation.item.truncated":
+                    assert event.audio_end_ms == 10
+                    break
         return replies
 
     (t1, a1, id1), (t2, a2, id2) = asyncio.run(run())
