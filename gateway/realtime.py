@@ -99,6 +99,7 @@ class _Response:
     task: asyncio.Task | None = None
     pump: asyncio.Task | None = None
     cancel_reason: str = ""
+    previous_item: str | None = None
     text: list[str] = field(default_factory=list)
     prompt_tokens: int = 0
     text_tokens: int = 0
@@ -421,6 +422,9 @@ class RealtimeSession:
         part = Part("output_audio", transcript="") if audio else Part("output_text")
         item = Item(new_id("item"), "assistant", [part], status="in_progress")
         resp = _Response(response_id, options, voice, item, request)
+        if options.in_conversation:  # in place now: items the client adds from here on come after it
+            resp.previous_item = self._items[-1].id if self._items else None
+            self._items.append(item)
         self._response = resp
         resp.task = asyncio.create_task(self._run(resp), name=f"realtime {response_id}")
 
@@ -460,13 +464,10 @@ class RealtimeSession:
     async def _respond(self, resp: _Response) -> None:
         options, item = resp.options, resp.item
         await self._emit({"type": "response.created", "response": self._response_json(resp, "in_progress", [])})
-        previous = self._items[-1].id if self._items else None
-        if options.in_conversation:
-            self._items.append(item)
         await self._emit({"type": "response.output_item.added", "response_id": resp.id, "output_index": 0,
                           "item": item.to_json()})
         if options.in_conversation:
-            await self._emit({"type": "conversation.item.added", "previous_item_id": previous,
+            await self._emit({"type": "conversation.item.added", "previous_item_id": resp.previous_item,
                               "item": item.to_json()})
         await self._emit({"type": "response.content_part.added", **resp.where(),
                           "part": {"type": "audio", "transcript": ""} if resp.audio else {"type": "text", "text": ""}})

@@ -240,7 +240,15 @@ def test_a_text_only_session_answers_in_text(stack: Stack) -> None:
                 "type": "message", "role": "user", "content": [{"type": "input_text", "text": "Hello there"}]})
             await session.until("conversation.item.done")
             await session.send("response.create")
-            return await session.reply()
+            # an item added while the answer runs goes after it, whatever the events' timing
+            await session.send("conversation.item.create", item={
+                "id": "item_next", "type": "message", "role": "user",
+                "content": [{"type": "input_text", "text": "And then?"}]})
+            reply = await session.reply()
+            added = [e for e in session.events if e["type"] == "conversation.item.added"]
+            (nxt,) = [e for e in added if e["item"]["id"] == "item_next"]
+            assert nxt["previous_item_id"] == reply.done["response"]["output"][0]["id"], (nxt, reply.done)
+            return reply
 
     reply = asyncio.run(run())
     check_reply(reply, audio=False)
