@@ -89,8 +89,8 @@ def _require_browser() -> None:
     pytest.skip(reason)
 
 
-@pytest.fixture(scope="module")
-def browser():
+def _chromium(*flags: str) -> Iterator:
+    """A headless Chromium driven by selenium (CHROMIUM_FLAGS and `flags`), quit after use."""
     _require_browser()
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
@@ -98,7 +98,7 @@ def browser():
     profile = tempfile.mkdtemp(prefix="omni-chromium-")
     options = webdriver.ChromeOptions()
     options.binary_location = str(CHROMIUM)
-    for flag in [*CHROMIUM_FLAGS, f"--user-data-dir={profile}"]:
+    for flag in [*CHROMIUM_FLAGS, f"--user-data-dir={profile}", *flags]:
         options.add_argument(flag)
     driver = webdriver.Chrome(service=Service(executable_path=str(CHROMEDRIVER)), options=options)
     driver.set_page_load_timeout(30)
@@ -107,6 +107,11 @@ def browser():
     finally:
         driver.quit()
         shutil.rmtree(profile, ignore_errors=True)
+
+
+@pytest.fixture(scope="module")
+def browser():
+    yield from _chromium()
 
 
 def _stack(tmp_path_factory, profile: str, token: str | None = None) -> Iterator[Stack]:
@@ -763,23 +768,9 @@ def _tone_wav(path: Path, seconds: float, rate: int, hz: float = 220.0) -> Path:
 def mic_browser(tmp_path_factory):
     """Chromium whose microphone is a fake device playing a tone file (looped)."""
     _require_browser()
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
     mic = _tone_wav(tmp_path_factory.mktemp("mic") / "mic.wav", 2.0, 48000)
-    profile = tempfile.mkdtemp(prefix="omni-chromium-")
-    options = webdriver.ChromeOptions()
-    options.binary_location = str(CHROMIUM)
-    for flag in [*CHROMIUM_FLAGS, f"--user-data-dir={profile}", "--use-fake-device-for-media-stream",
-                 "--use-fake-ui-for-media-stream", f"--use-file-for-fake-audio-capture={mic}"]:
-        options.add_argument(flag)
-    driver = webdriver.Chrome(service=Service(executable_path=str(CHROMEDRIVER)), options=options)
-    driver.set_page_load_timeout(30)
-    try:
-        yield driver
-    finally:
-        driver.quit()
-        shutil.rmtree(profile, ignore_errors=True)
+    yield from _chromium("--use-fake-device-for-media-stream", "--use-fake-ui-for-media-stream",
+                         f"--use-file-for-fake-audio-capture={mic}")
 
 
 def _voice_turn_matches_generate(driver, stack: Stack) -> dict:
