@@ -16,7 +16,9 @@ WebSocket sessions (``GET /v1/realtime``, turns committed by hand):
 * **typed**: the same with a text question instead (the deployment's text-in
   time to first audio at the same concurrency): from ``response.create``.
 
-In both, each session cancels its response at its first audio delta
+In both, each session cancels its response at its first audio delta (an
+answer that ends before any audio, as a random-weight model's may, is
+counted apart)
 (barge-in): the audio deltas it still receives after ``response.cancel``
 (and when the last came), the time to ``response.done``, and, once every
 session has cancelled, the time until
@@ -100,8 +102,17 @@ async def _session(url: str, pcm: bytes | None, go: asyncio.Event) -> dict[str, 
             await ws.send_json({"type": "input_audio_buffer.commit"})
         t0 = time.perf_counter()
         await ws.send_json({"type": "response.create"})
-        await until("response.output_audio.delta")
+        while True:  # the first audio; or, rarely, an answer that ends before any (a random model's end token)
+            event = json.loads((await ws.receive()).data)
+            if event["type"] == "error":
+                raise RuntimeError(f"realtime error: {event['error']}")
+            if event["type"] in ("response.output_audio.delta", "response.done"):
+                break
         t_first = time.perf_counter()
+        if event["type"] == "response.done":
+            return {"append_ms": (t0 - t_append) * 1e3, "first_audio_ms": None, "deltas_after_cancel": 0,
+                    "cancel_to_last_delta_ms": 0.0, "cancel_to_done_ms": None, "cancelled": False,
+                    "t_cancel": t_first}
         await ws.send_json({"type": "response.cancel"})
         t_cancel = last_delta = time.perf_counter()
         late = 0  # audio deltas after the cancel was sent (already on their way, or not stopped)
@@ -178,8 +189,8 @@ def analyze(rec: dict[str, Any]) -> dict[str, Any]:
     phases: dict[str, Any] = {}
     for name in ("spoken", "typed"):
         rows = {}
-        for m in MEASURES:
-            per_run = [summary([t[m] for t in r[name]["turns"]]) for r in rec["raw"]["runs"]]
+        for m in MEASURES:  # turns answered without audio have none of these
+            per_run = [summary([t[m] for t in r[name]["turns"] if t[m] is not None]) for r in rec["raw"]["runs"]]
             rows[m] = {"p50": float(np.median([s["p50"] for s in per_run])),
                        "p99": float(np.median([s["p99"] for s in per_run])),
                        "runs_p50": [s["p50"] for s in per_run]}
@@ -188,6 +199,7 @@ def analyze(rec: dict[str, Any]) -> dict[str, Any]:
         rows["late_deltas"] = sum(t["deltas_after_cancel"] for r in rec["raw"]["runs"] for t in r[name]["turns"])
         rows["late_max_ms"] = max(t["cancel_to_last_delta_ms"] for r in rec["raw"]["runs"] for t in r[name]["turns"])
         rows["turns"] = sum(len(r[name]["turns"]) for r in rec["raw"]["runs"])
+        rows["silent"] = sum(t["first_audio_ms"] is None for r in rec["raw"]["runs"] for t in r[name]["turns"])
         phases[name] = rows
     spoken, typed = phases["spoken"]["first_audio_ms"], phases["typed"]["first_audio_ms"]
     return {"phases": phases, "ratio_p50": spoken["p50"] / typed["p50"] if typed["p50"] else float("nan"),
@@ -212,10 +224,10 @@ def render(rec: dict[str, Any]) -> str:
         late = f"{p['late_deltas']} (last {fmt(p['late_max_ms'])} ms after)" if p["late_deltas"] else "0"
         rows.append([label, fmt(p["first_audio_ms"]["p50"]), fmt(p["first_audio_ms"]["p99"]), late,
                      fmt(p["cancel_to_done_ms"]["p50"]), fmt(p["cancel_to_done_ms"]["p99"]), fmt(p["freed_ms"]),
-                     f"{p['cancelled']}/{p['turns']}"])
+                     f"{p['cancelled']}/{p['turns']}", str(p["silent"])])
     table = md_table(["turn", "first audio p50 (ms)", "p99 (ms)", "audio deltas after the cancel",
                       "cancel → response.done p50 (ms)", "p99 (ms)", "last cancel → decoder idle (ms)",
-                      "ended cancelled"], rows)
+                      "ended cancelled", "answered without audio"], rows)
     ratio = (f"Spoken over typed, time to first audio: p50 {res['ratio_p50']:.2f}x, "
              f"p99 {res['ratio_p99']:.2f}x.")
     return f"{head}\n\n{table}\n\n{ratio}\n\n{machine_md(res['machine'], res['date'])}\n"

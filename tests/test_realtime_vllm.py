@@ -100,13 +100,19 @@ def test_a_spoken_question_is_answered_as_generate_answers_it(stack: Stack, ques
                     return text, audio, event.response.id, types
         raise AssertionError("no response.done")
 
-    text, audio, response_id, types = asyncio.run(run())
+    # The response's seed is random (its id's): a random-weight model may end its answer at
+    # once now and then (its end token first), which Generate must then do too. Up to three
+    # sessions, until one answers with audio.
+    for _ in range(3):
+        text, audio, response_id, types = asyncio.run(run())
+        want = generate(stack.gateway_target, [("user", [audio_part(question)])], zlib.crc32(response_id.encode()),
+                        voice="ethan")
+        assert (text, audio) == want
+        if audio:
+            break
     assert audio and text, (len(audio), text)
     seen = [t for t in types[types.index("response.created"):] if not t.endswith(".delta")]
     assert seen == [t for t in RESPONSE_EVENTS if not t.endswith(".delta")], types
-    want = generate(stack.gateway_target, [("user", [audio_part(question)])], zlib.crc32(response_id.encode()),
-                    voice="ethan")
-    assert (text, audio) == want
 
 
 def test_cancel_frees_the_engines_request(stack: Stack, question: bytes) -> None:
@@ -121,7 +127,10 @@ def test_cancel_frees_the_engines_request(stack: Stack, question: bytes) -> None
             await session.send("input_audio_buffer.append", audio=question)
             await session.send("input_audio_buffer.commit")
             await session.send("response.create")
-            await session.until("response.output_audio_transcript.delta", "response.output_audio.delta")
+            first = await session.until("response.output_audio_transcript.delta", "response.output_audio.delta",
+                                        "response.done")
+            if first[-1]["type"] == "response.done":  # an answer that ended at once (see above)
+                return first[-1]["response"]
             await session.send("response.cancel")
             return (await session.until("response.done"))[-1]["response"]
 
@@ -152,5 +161,8 @@ def test_the_python_examples_of_the_docs_run_as_written(stack: Stack, question: 
     played: list[bytes] = []
     scope: dict = {"play": played.append}
     exec(compile(grpc_example, "docs/realtime.md", "exec"), scope)
-    asyncio.run(scope["session"](stack.gateway_target, question))
+    for _ in range(3):  # an answer may end at once now and then (see above)
+        asyncio.run(scope["session"](stack.gateway_target, question))
+        if played:
+            break
     assert played and all(len(p) % 2 == 0 for p in played), "the gRPC example heard no audio"
