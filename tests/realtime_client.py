@@ -67,6 +67,24 @@ class Reply:
         return zlib.crc32(self.id.encode())
 
 
+def reply_of(events: list[dict]) -> Reply:
+    """A response as its events give it (from its last response.created on; error events left out)."""
+    reply = Reply()
+    for event in events:
+        if event["type"] == "response.created":
+            reply = Reply()
+        if event["type"] == "error":
+            continue
+        reply.types.append(event["type"])
+        if event["type"] in ("response.output_audio_transcript.delta", "response.output_text.delta"):
+            reply.text += event["delta"]
+        elif event["type"] == "response.output_audio.delta":
+            reply.audio += event["delta"] if isinstance(event["delta"], bytes) else base64.b64decode(event["delta"])
+        elif event["type"] == "response.done":
+            reply.done = event
+    return reply
+
+
 def collapsed(types: list[str]) -> list[str]:
     """Event types with runs of one delta type kept once."""
     out: list[str] = []
@@ -88,6 +106,18 @@ class Session:
     async def send(self, type_: str, audio: bytes | None = None, **fields: object) -> None:
         raise NotImplementedError
 
+    async def send_raw(self, event: dict) -> None:
+        """`event` as it is (no audio encoding): what a client with a bug might send."""
+        raise NotImplementedError
+
+    async def send_malformed(self) -> list[str]:
+        """Messages the transport carries but that are no event; the params their errors name."""
+        raise NotImplementedError
+
+    async def vanish(self) -> None:
+        """Drop the connection without a word."""
+        raise NotImplementedError
+
     async def recv(self, timeout: float = 120.0) -> dict:
         event = validate(await asyncio.wait_for(self._receive(), timeout))
         self.events.append(event)
@@ -106,18 +136,7 @@ class Session:
 
     async def reply(self, timeout: float = 120.0) -> Reply:
         """The events of a response from its response.created to its response.done."""
-        reply = Reply()
-        for event in await self.until("response.done", timeout=timeout):
-            if event["type"] == "response.created":
-                reply = Reply()
-            reply.types.append(event["type"])
-            if event["type"] in ("response.output_audio_transcript.delta", "response.output_text.delta"):
-                reply.text += event["delta"]
-            elif event["type"] == "response.output_audio.delta":
-                reply.audio += event["delta"] if isinstance(event["delta"], bytes) else base64.b64decode(event["delta"])
-            elif event["type"] == "response.done":
-                reply.done = event
-        return reply
+        return reply_of(await self.until("response.done", timeout=timeout))
 
 
 class WsSession(Session):
@@ -134,6 +153,17 @@ class WsSession(Session):
         if audio is not None:
             fields["audio"] = b64(audio)
         await self.ws.send_json({"type": type_, **fields})
+
+    async def send_raw(self, event: dict) -> None:
+        await self.ws.send_json(event)
+
+    async def send_malformed(self) -> list[str]:
+        await self.ws.send_str("{not json")
+        await self.ws.send_bytes(b"\x00\x01")  # audio goes base64 in JSON events
+        return ["event", "event"]
+
+    async def vanish(self) -> None:
+        await self.ws.close()
 
 
 class GrpcSession(Session):
@@ -166,6 +196,19 @@ class GrpcSession(Session):
     async def send(self, type_: str, audio: bytes | None = None, **fields: object) -> None:
         await self.call.write(gateway_pb2.RealtimeRequest(json=json.dumps({"type": type_, **fields}),
                                                           audio=audio or b""))
+
+    async def send_raw(self, event: dict) -> None:
+        await self.call.write(gateway_pb2.RealtimeRequest(json=json.dumps(event)))
+
+    async def send_malformed(self) -> list[str]:
+        await self.call.write(gateway_pb2.RealtimeRequest(json="{not json"))
+        # audio bytes beside an event that carries none
+        await self.call.write(gateway_pb2.RealtimeRequest(json='{"type": "input_audio_buffer.commit"}',
+                                                          audio=b"\x00\x00"))
+        return ["json", "audio"]
+
+    async def vanish(self) -> None:
+        self.call.cancel()
 
 
 def audio_part(pcm: bytes) -> common_pb2.ContentPart:
