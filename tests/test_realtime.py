@@ -538,3 +538,57 @@ def test_a_client_that_vanishes_mid_answer_frees_everything(stack: Stack, transp
     while gateway_streams():
         assert time.monotonic() < deadline, "the gateway still counts the session's stream"
         time.sleep(0.05)
+
+
+@TRANSPORTS
+def test_items_are_placed_retrieved_and_deleted_and_the_buffer_cleared(stack: Stack, transport: str) -> None:
+    def message(item_id: str, role: str, text: str) -> dict:
+        kind = "output_text" if role == "assistant" else "input_text"
+        return {"id": item_id, "type": "message", "role": role, "content": [{"type": kind, "text": text}]}
+
+    async def run() -> dict:
+        seen: dict = {}
+        async with opened(stack, transport) as session:
+            async def one(type_: str, want: str, **fields: object) -> dict:
+                await session.send(type_, **fields)
+                return (await session.until(want, "error"))[-1]
+
+            await one("conversation.item.create", "conversation.item.done", item=message("u1", "user", "Hi"))
+            seen["root"] = await one("conversation.item.create", "conversation.item.done",
+                                     item=message("s0", "system", "Be brief."), previous_item_id="root")
+            seen["after"] = await one("conversation.item.create", "conversation.item.done",
+                                      item=message("a1", "assistant", "Hello."), previous_item_id="s0")
+            seen["again"] = await one("conversation.item.create", "conversation.item.done",
+                                      item=message("u1", "user", "Hi again"))
+            seen["deleted"] = await one("conversation.item.delete", "conversation.item.deleted", item_id="a1")
+            seen["gone"] = await one("conversation.item.retrieve", "conversation.item.retrieved", item_id="a1")
+            await session.send("input_audio_buffer.append", audio=tone(0.5))
+            seen["cleared"] = await one("input_audio_buffer.clear", "input_audio_buffer.cleared")
+            seen["empty"] = await one("input_audio_buffer.commit", "input_audio_buffer.committed")
+            # an out-of-band answer: not in the conversation, its metadata echoed
+            await session.send("response.create", response={"conversation": "none", "metadata": {"k": "v"}})
+            seen["oob"] = await session.reply()
+            seen["not_kept"] = await one("conversation.item.retrieve", "conversation.item.retrieved",
+                                         item_id=seen["oob"].done["response"]["output"][0]["id"])
+            # the running answer's item cannot be deleted
+            await long_answer(session)
+            running = next(e for e in reversed(session.events) if e["type"] == "response.output_item.added")
+            seen["in_progress"] = await one("conversation.item.delete", "conversation.item.deleted",
+                                            item_id=running["item"]["id"])
+            await session.send("response.cancel")
+            await session.until("response.done")
+        return seen
+
+    seen = asyncio.run(run())
+    assert seen["root"]["previous_item_id"] is None and seen["after"]["previous_item_id"] == "s0", seen
+    assert seen["again"]["error"]["code"] == "item_already_exists", seen["again"]
+    assert seen["deleted"]["item_id"] == "a1"
+    assert (seen["gone"]["error"]["code"], seen["gone"]["error"]["param"]) == ("item_not_found", "item_id")
+    assert seen["cleared"]["type"] == "input_audio_buffer.cleared"
+    assert seen["empty"]["error"]["code"] == "input_audio_buffer_commit_empty", seen["empty"]
+    response = seen["oob"].done["response"]
+    assert response["status"] == "completed" and response["conversation_id"] is None, response
+    assert response["metadata"] == {"k": "v"} and "conversation.item.added" not in seen["oob"].types
+    assert seen["not_kept"]["error"]["code"] == "item_not_found"
+    assert seen["in_progress"]["error"]["code"] == "item_in_progress", seen["in_progress"]
+    wait_idle(stack)
