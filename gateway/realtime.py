@@ -55,6 +55,8 @@ from gateway.http_common import error_body, model_id
 from gateway.output_processor import OutputKind
 from gateway.outputs import OmniRequestOutput
 from gateway.realtime_protocol import (
+    CLIENT_EVENTS,
+    EVENT_FIELDS,
     EventIds,
     Item,
     Part,
@@ -63,6 +65,7 @@ from gateway.realtime_protocol import (
     SessionError,
     base64_audio,
     item_from_json,
+    known,
     new_id,
     obj,
     response_json,
@@ -83,9 +86,6 @@ logger = logging.getLogger(__name__)
 Send = Callable[[dict], Awaitable[None]]
 MIN_COMMIT_SAMPLES = SAMPLE_RATE_HZ // 10
 """A commit needs at least 100 ms of audio (as OpenAI's)."""
-CLIENT_EVENTS = ("session.update", "input_audio_buffer.append", "input_audio_buffer.commit",
-                 "input_audio_buffer.clear", "conversation.item.create", "conversation.item.truncate",
-                 "conversation.item.delete", "conversation.item.retrieve", "response.create", "response.cancel")
 
 
 @dataclass
@@ -151,6 +151,7 @@ class RealtimeSession:
             if kind not in CLIENT_EVENTS:
                 raise InvalidArgumentError(
                     "type", f"unknown event type {quote_value(str(kind))[:80]}; one of {', '.join(CLIENT_EVENTS)}")
+            known(body, "", ("type", "event_id", *EVENT_FIELDS[kind]))
             if audio is not None and (kind != "input_audio_buffer.append" or "audio" in body):
                 raise InvalidArgumentError("audio", "only an input_audio_buffer.append carries audio, "
                                                     "as bytes or as base64 in its JSON (not both)")
@@ -587,4 +588,4 @@ def _pcm24k(output: OmniRequestOutput) -> bytes:
     return pcm16le(samples)
 
 
-__all__ = ["CLIENT_EVENTS", "RealtimeSession", "serve_grpc"]
+__all__ = ["RealtimeSession", "serve_grpc"]

@@ -33,6 +33,22 @@ MAX_METADATA_KEYS = 16
 MAX_INSTRUCTIONS_CHARS = 4096
 
 
+EVENT_FIELDS = {
+    "session.update": ("session",),
+    "input_audio_buffer.append": ("audio",),
+    "input_audio_buffer.commit": (),
+    "input_audio_buffer.clear": (),
+    "conversation.item.create": ("item", "previous_item_id"),
+    "conversation.item.truncate": ("item_id", "content_index", "audio_end_ms"),
+    "conversation.item.delete": ("item_id",),
+    "conversation.item.retrieve": ("item_id",),
+    "response.create": ("response",),
+    "response.cancel": ("response_id",),
+}
+"""The client events served and their fields (besides ``type`` and ``event_id``)."""
+CLIENT_EVENTS = tuple(EVENT_FIELDS)
+
+
 class SessionError(FailedPreconditionError):
     """A client event the session cannot take in its state (no audio to
     commit, a response already running, an unknown item), with OpenAI's
@@ -457,6 +473,8 @@ class EventIds:
 
 __all__ = [
     "AUDIO_FORMAT",
+    "CLIENT_EVENTS",
+    "EVENT_FIELDS",
     "EventIds",
     "Item",
     "Part",

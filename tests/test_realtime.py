@@ -454,6 +454,7 @@ def test_truncate_keeps_what_was_heard_for_the_next_turn(stack: Stack, transport
 
 BAD_EVENTS = [
     ({"type": "response.begin"}, "invalid_argument", "type"),
+    ({"type": "input_audio_buffer.commit", "item_id": "item_1"}, "invalid_argument", "item_id"),
     ({"type": "input_audio_buffer.append", "audio": "%%%"}, "invalid_argument", "audio"),
     ({"type": "input_audio_buffer.append", "audio": base64.b64encode(b"\x00\x01\x02").decode()}, "invalid_argument",
      "audio"),
