@@ -138,6 +138,7 @@ class RealtimeSession:
     # ------------------------------------------------------------------ transport side
 
     async def start(self) -> None:
+        logger.info("realtime session %s opened", self.id)
         await self._emit({"type": "session.created", "session": self._session_json()})
 
     async def handle(self, event: object, audio: bytes | None = None) -> None:
@@ -178,6 +179,8 @@ class RealtimeSession:
 
     async def close(self) -> None:
         """The client is gone: stop the running response (its decoder request is cancelled)."""
+        logger.info("realtime session %s closed (%d items%s)", self.id, len(self._items),
+                    ", its running response cancelled" if self._response is not None else "")
         resp, self._response = self._response, None
         if resp is not None:
             resp.cancel_reason = resp.cancel_reason or "client_gone"
