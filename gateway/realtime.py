@@ -124,6 +124,7 @@ class RealtimeSession:
         self.id = new_id("sess")
         self._conversation_id = new_id("conv")
         self._ids = EventIds()
+        self._send_lock = asyncio.Lock()
         self.config = SessionConfig()
         self._voice = check_voice("", info)
         self._items: list[Item] = []
@@ -193,7 +194,10 @@ class RealtimeSession:
                         await task
 
     async def _emit(self, event: dict) -> None:
-        await self._send({"event_id": self._ids.next(), **event})
+        # one send at a time, numbered in send order: the handler and the response task
+        # both emit, and a gRPC call takes one write at a time
+        async with self._send_lock:
+            await self._send({"event_id": self._ids.next(), **event})
 
     def _session_json(self) -> dict:
         return self.config.to_json(self.id, self._model, self._voice)
