@@ -122,7 +122,7 @@ class GatewayEngine:
                 instructions=request.instructions,
                 conversation=request.messages,
             )
-            voice = await self._voice(request.voice, info)
+            voice = await self.resolve_voice(request.voice, info)
             upstream = decoder_request(
                 request.request_id,
                 request.prompt,
@@ -150,7 +150,7 @@ class GatewayEngine:
                 instructions=request.instructions,
                 verbatim=True,
             )
-            voice = await self._voice(request.voice, info)
+            voice = await self.resolve_voice(request.voice, info)
             rate = check_sample_rate(request.sample_rate_hz, info)
             upstream = decoder_request(
                 request.request_id, request.text, OutputModality.AUDIO, voice, request.sampling_params,
@@ -193,12 +193,13 @@ class GatewayEngine:
                     )
                     sequence += 1
 
-    async def _voice(self, voice: str, info: DecoderInfo) -> str:
-        """Check a voice, refreshing the cached decoder info once before refusing it."""
+    async def resolve_voice(self, voice: str, info: DecoderInfo, field: str = "voice") -> str:
+        """The decoder's voice for `voice` (`check_voice`), refreshing the cached
+        decoder info once before refusing it; a refusal names `field`."""
         try:
-            return check_voice(voice, info)
+            return check_voice(voice, info, field)
         except InvalidArgumentError:
-            return check_voice(voice, await self.pool.info(refresh=True))
+            return check_voice(voice, await self.pool.info(refresh=True), field)
 
     async def _stream(
         self, upstream: decoder_pb2.GenerateRequest, modality: OutputModality, kind: OutputKind

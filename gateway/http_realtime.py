@@ -78,12 +78,7 @@ class RealtimeEndpoint:
                 await session.start()
                 async for message in ws:  # ends at the client's close
                     if message.type is WSMsgType.TEXT:
-                        try:
-                            event = json.loads(message.data)
-                        except ValueError:
-                            await session.error(InvalidArgumentError("event", "is not JSON"))
-                            continue
-                        await session.handle(event)
+                        await session.handle_json(message.data)
                     elif message.type is WSMsgType.BINARY:
                         await session.error(InvalidArgumentError(
                             "event", "binary frames are not taken: send JSON events (audio as base64)"))

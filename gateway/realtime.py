@@ -161,6 +161,16 @@ class RealtimeSession:
         except CLIENT_ERRORS as exc:
             await self.error(exc, client_event_id if isinstance(client_event_id, str) else None)
 
+    async def handle_json(self, text: str | bytes, audio: bytes | None = None, field: str = "event") -> None:
+        """`handle` for an event as the transport carries it, JSON text (`field`
+        names the message part that holds it, for the error when it is not JSON)."""
+        try:
+            event = json.loads(text)
+        except ValueError:
+            await self.error(InvalidArgumentError(field, "is not JSON"))
+            return
+        await self.handle(event, audio)
+
     async def error(self, exc: BaseException, client_event_id: str | None = None) -> None:
         """An ``error`` event for `exc` (OpenAI's error object)."""
         _, error = error_body(exc)
@@ -208,7 +218,7 @@ class RealtimeSession:
         config = session_update(self.config, body.get("session"))
         voice = self._voice
         if config.voice != self.config.voice:
-            voice = await self._check_voice(config.voice, "session.audio.output.voice")
+            voice = await self._engine.resolve_voice(config.voice, self._info, "session.audio.output.voice")
         self._check_modalities(config.output_modalities, "session.output_modalities")
         if config.vad != self.config.vad:
             self._vad = VoiceActivity(config.vad) if config.vad else None
@@ -216,13 +226,6 @@ class RealtimeSession:
                 self._vad.reset(self._samples)
         self.config, self._voice = config, voice
         await self._emit({"type": "session.updated", "session": self._session_json()})
-
-    async def _check_voice(self, voice: str, where: str) -> str:
-        try:
-            return check_voice(voice, self._info, where)
-        except InvalidArgumentError:
-            self._info = await self._engine.pool.info(refresh=True)
-            return check_voice(voice, self._info, where)
 
     def _check_modalities(self, modalities: tuple[str, ...], where: str) -> None:
         produced = self._info.output_modalities
@@ -416,7 +419,7 @@ class RealtimeSession:
 
     async def _start_response(self, options: ResponseOptions) -> None:
         self._check_modalities(options.output_modalities, "response.output_modalities")
-        voice = (await self._check_voice(options.voice, "response.audio.output.voice")
+        voice = (await self._engine.resolve_voice(options.voice, self._info, "response.audio.output.voice")
                  if options.voice != self.config.voice else self._voice)
         turns = self._context(options)
         response_id = new_id("resp")
@@ -570,12 +573,7 @@ async def serve_grpc(engine: GatewayEngine, requests: AsyncIterator[gateway_pb2.
         try:
             await session.start()
             async for request in requests:
-                try:
-                    event = json.loads(request.json)
-                except ValueError:
-                    await session.error(InvalidArgumentError("json", "is not JSON"))
-                    continue
-                await session.handle(event, request.audio or None)
+                await session.handle_json(request.json, request.audio or None, field="json")
             await session.finish()
         finally:
             await session.close()
