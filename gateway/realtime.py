@@ -373,18 +373,18 @@ class RealtimeSession:
                 continue  # a reply cut to nothing, or one that failed before its first word
             texts = all(isinstance(p, str) for p in parts)
             turns.append((item.role, "\n".join(parts) if texts else tuple(parts)))  # type: ignore[arg-type]
+        if options.instructions:  # counted with the rest, never left out
+            turns.insert(0, ("system", options.instructions))
         limits = self._info.limits
         while self._over(turns, limits):
-            if self.config.truncation == "disabled" or len(turns) <= 1:
+            droppable = [i for i, (role, _) in enumerate(turns) if role != "system"]
+            if self.config.truncation == "disabled" or len(droppable) <= 1:
                 raise SessionError("conversation_too_large",
                                    "the conversation holds more than this deployment takes in one request "
                                    f"({limits.max_input_audio_parts} audio parts, {limits.max_input_image_parts} "
                                    f"images, {self._engine.limits.max_text_chars} characters); delete items "
                                    'or set truncation to "auto"')
-            drop = next(i for i, (role, _) in enumerate(turns) if role != "system")
-            del turns[drop]
-        if options.instructions:
-            turns.insert(0, ("system", options.instructions))
+            del turns[droppable[0]]
         if not turns or turns[-1][0] != "user":
             raise SessionError("conversation_needs_user_turn",
                                "the conversation does not end with a user message: commit audio or create a "

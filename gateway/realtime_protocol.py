@@ -20,6 +20,7 @@ import uuid
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 
+from gateway.http_common import json_field
 from gateway.realtime_vad import SAMPLE_RATE_HZ, VadOptions
 from gateway.validation import check_unicode, check_voice_shape, json_type_name
 from omni_common.errors import FailedPreconditionError, InvalidArgumentError, quote_value
@@ -81,15 +82,8 @@ def known(body: Mapping[str, object], where: str, fields: tuple[str, ...]) -> No
 
 
 def typed(body: Mapping[str, object], key: str, where: str, types: tuple[type, ...], default: object) -> object:
-    """``body[key]`` if of one of `types` (absent or null: `default`)."""
-    value = body.get(key)
-    if value is None:
-        return default
-    if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
-        wanted = " or ".join(dict.fromkeys(json_type_name(t()) for t in types))
-        raise InvalidArgumentError(f"{where}.{key}" if where else key,
-                                   f"must be a {wanted}, got {json_type_name(value)}")
-    return value
+    """``body[key]`` if of one of `types` (absent or null: `default`): `json_field` at ``where.key``."""
+    return json_field(body, f"{where}.{key}" if where else key, types, default)
 
 
 def only(body: Mapping[str, object], key: str, where: str, allowed: tuple[object, ...], why: str) -> None:

@@ -83,3 +83,38 @@ def test_sends_never_overlap_while_an_answer_streams() -> None:
     done = sent[-1]["response"]
     assert done["status"] == "completed" and done["usage"]["output_token_details"] == {
         "text_tokens": 400, "audio_tokens": round(200 * 960 / 24000 * 12.5)}, done
+
+
+def test_truncation_leaves_the_oldest_turns_out_of_what_a_response_reads() -> None:
+    """One audio part per request: with truncation "auto" the older spoken turn is left
+    out, the instructions kept; with "disabled" the response is refused
+    (conversation_too_large)."""
+    one_part = info()
+    one_part.limits.max_input_audio_parts = 1
+    sent: list[dict] = []
+
+    async def send(event: dict) -> None:
+        sent.append(event)
+
+    async def run() -> FakeRealtimeEngine:
+        engine = FakeRealtimeEngine(outputs=2)
+        session = RealtimeSession(engine, one_part, send, model="m")  # type: ignore[arg-type]
+        await session.handle({"type": "session.update", "session": {"type": "realtime", "instructions": "Be brief.",
+                                                                    "audio": {"input": {"turn_detection": None}}}})
+        for _ in range(2):
+            await session.handle({"type": "input_audio_buffer.append"}, audio=bytes(4800))
+            await session.handle({"type": "input_audio_buffer.commit"})
+            await session.handle({"type": "response.create"})
+            await session.finish()
+        await session.handle({"type": "session.update", "session": {"type": "realtime", "truncation": "disabled"}})
+        await session.handle({"type": "response.create", "event_id": "too_big"})
+        return engine
+
+    engine = asyncio.run(run())
+    first, second = (r.messages for r in engine.requests)
+    assert [role for role, _ in first] == ["system", "user"] and first[0] == ("system", "Be brief.")
+    # the older spoken turn left out (the oldest message first, until the rest fits); its reply stays
+    assert [role for role, _ in second] == ["system", "assistant", "user"], second
+    assert second[1] == ("assistant", "abab") and second[2][1][0].field != first[1][1][0].field  # the newer clip
+    errors = [e["error"] for e in sent if e["type"] == "error"]
+    assert [(e["code"], e["event_id"]) for e in errors] == [("conversation_too_large", "too_big")], errors
