@@ -59,6 +59,7 @@ RENDERERS = {
     "code-predictor": "bench.code_predictor",
     "media-input": "bench.media_input",
     "realtime": "bench.realtime",
+    "threads": "bench.threads",
 }
 INDEX = record.RESULTS_DIR / "INDEX.yaml"
 RESULTS_MD = Path(__file__).resolve().parent / "RESULTS.md"

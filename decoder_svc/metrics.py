@@ -79,6 +79,12 @@ STEP_TOKENS = Histogram(
     ["stage"],
     buckets=tuple(2.0**i for i in range(15)),
 )
+STAGE_THREADS = Gauge(
+    "omni_decoder_stage_intra_op_threads",
+    "Intra-op threads an AR stage's engine process runs its steps on, with its OMP_WAIT_POLICY "
+    "(default: unset, OpenMP's own); set when the process is ready",
+    ["stage", "omp_wait_policy"],
+)
 REQUESTS = Counter("omni_decoder_requests_total", "Requests that ended, by outcome", ["outcome"])
 ACTIVE_REQUESTS = Gauge("omni_decoder_active_requests", "Requests running")
 
@@ -92,6 +98,14 @@ def attachment_labels(attachment) -> tuple[str, str, str, str, str]:
         str(attachment.contract_version),
         attachment.transport,
     )
+
+
+def note_stage_threads(stage: str, engine_settings: dict) -> None:
+    """STAGE_THREADS of a stage process that said its thread budget (its
+    engine settings' intra_op_threads and omp_wait_policy)."""
+    threads = engine_settings.get("intra_op_threads")
+    if threads is not None:
+        STAGE_THREADS.labels(stage, str(engine_settings.get("omp_wait_policy", "default"))).set(float(threads))
 
 
 def set_mode(remote: bool) -> None:

@@ -127,6 +127,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="run each AR stage's engine in a process of its own (engines side by side, the "
                         "decode loops off this process's interpreter); auto = on with the vllm engine, "
                         "off with the fake one (default auto)")
+    p.add_argument("--stage-threads", default=os.environ.get("OMNI_STAGE_THREADS", "auto"),
+                   help="intra-op threads of each AR stage's engine process (OMP_NUM_THREADS at its "
+                        "start; an OMP_NUM_THREADS of this process's environment wins); auto = torch's "
+                        "default, every CPU this process may use (default auto; docs/decoder.md, 'Threads')")
+    p.add_argument("--omp-wait-policy", choices=("auto", "passive", "active"),
+                   default=os.environ.get("OMNI_OMP_WAIT_POLICY", "auto"),
+                   help="OMP_WAIT_POLICY of each AR stage's engine process: passive = an idle OpenMP "
+                        "thread sleeps at once, active = it spins; auto = OpenMP's default (spin a while, "
+                        "then sleep) (default auto; docs/decoder.md, 'Threads')")
     p.add_argument("--stall-after-s", type=float, default=_env_float("OMNI_STALL_AFTER_S", 30.0),
                    help="a decode loop with work waiting that makes no progress for this long (or for "
                         f"{DEFAULT_FACTOR:g} of its recent steps, if longer) is stuck: a stage process is "
@@ -200,6 +209,25 @@ def code2wav_workers(args: argparse.Namespace, cores: int | None = None) -> int:
     return value
 
 
+def stage_threads(args: argparse.Namespace) -> tuple[int, str]:
+    """(OMP_NUM_THREADS, OMP_WAIT_POLICY) for the stage processes, from
+    --stage-threads and --omp-wait-policy (0 and "": OpenMP's defaults); an
+    InvalidArgumentError names the option."""
+    raw = str(getattr(args, "stage_threads", "auto")).strip()
+    threads = 0
+    if raw != "auto":
+        try:
+            threads = int(raw)
+        except ValueError:
+            threads = 0
+        if threads < 1:
+            raise InvalidArgumentError("--stage-threads", f"must be auto or an integer >= 1, got {raw!r}")
+    policy = str(getattr(args, "omp_wait_policy", "auto")).strip().lower()
+    if policy not in ("auto", "passive", "active"):
+        raise InvalidArgumentError("--omp-wait-policy", f"must be auto, passive or active, got {policy!r}")
+    return threads, "" if policy == "auto" else policy
+
+
 def deployed_profile(args: argparse.Namespace):
     """The profile with the deployment's engine settings: ``OMNI_ENGINE_SET``
     (applied by load_profile), then ``--max-num-seqs`` and ``--engine-set``."""
@@ -220,8 +248,11 @@ def _launch_stage_processes(args: argparse.Namespace, profile, model: str) -> di
     """One engine process per AR stage (decoder_svc.stage), ready."""
     from decoder_svc.stage.launch import launch_stages, stage_specs
 
+    threads, wait_policy = stage_threads(args)
     specs = stage_specs(
         profile,
+        torch_threads=threads,
+        omp_wait_policy=wait_policy,
         engine="fake" if args.engine in ("fake", "reference") else "vllm",
         model=model,
         shm_prefix=shm_prefix_for(args.deployment),
@@ -281,6 +312,7 @@ def main(argv: list[str] | None = None) -> None:
         limits = stall_limits(args)
         materializer_stall_timeout(args)
         workers = code2wav_workers(args)
+        stage_threads(args)
         profile = deployed_profile(args)
     except InvalidArgumentError as exc:
         raise SystemExit(f"decoder: {exc}") from exc

@@ -7,8 +7,8 @@ pickled) they rebuild from an importable factory path and its keyword
 arguments (:func:`call_factory`), and what they report goes back over their
 end of a pipe, from several threads (:func:`pipe_sender`). Messages are the
 typed classes of each side's ``messages`` module, never tagged tuples. A
-stage process starts with the intra-op thread count it is given
-(:func:`start_with_threads`).
+stage process starts with the intra-op thread count and OpenMP wait policy
+it is given (:func:`start_with_threads`).
 """
 
 from __future__ import annotations
@@ -58,17 +58,23 @@ def pipe_sender(conn, *, as_bytes: bool = False) -> Callable[[Any], bool]:
 _ENV_LOCK = threading.Lock()
 
 
-def start_with_threads(process, threads: int) -> None:
-    """Start `process` with OMP_NUM_THREADS=threads in its environment (0:
-    as ours). OpenMP reads it once, when torch loads: every thread of the
-    process then agrees on the count (vLLM's CPU attention checks that the
-    thread that plans a step and the one that runs it do)."""
-    if threads <= 0 or os.environ.get("OMP_NUM_THREADS"):
+def start_with_threads(process, threads: int, wait_policy: str = "") -> None:
+    """Start `process` with OMP_NUM_THREADS=threads (0: as ours) and
+    OMP_WAIT_POLICY=wait_policy ("": as ours) in its environment. OpenMP
+    reads both once, when torch loads: every thread of the process then
+    agrees on the count (vLLM's CPU attention checks that the thread that
+    plans a step and the one that runs it do). A variable already set in
+    our environment (the deployment's) is left as it is."""
+    wanted = {"OMP_NUM_THREADS": str(threads) if threads > 0 else "",
+              "OMP_WAIT_POLICY": wait_policy.upper()}
+    wanted = {k: v for k, v in wanted.items() if v and not os.environ.get(k)}
+    if not wanted:
         process.start()
         return
     with _ENV_LOCK:
-        os.environ["OMP_NUM_THREADS"] = str(threads)
+        os.environ.update(wanted)
         try:
             process.start()
         finally:
-            del os.environ["OMP_NUM_THREADS"]
+            for key in wanted:
+                del os.environ[key]

@@ -77,6 +77,7 @@ class StageHostSpec:
     stall_timeout_s: float = 3.0
     acquire_timeout_s: float = 0.5
     torch_threads: int = 0  # intra-op threads (OMP_NUM_THREADS); 0: torch's default
+    omp_wait_policy: str = ""  # OMP_WAIT_POLICY (passive | active); "": OpenMP's default
     log_level: str = "INFO"
     # the fake engine: its backend's factory ("package.module:attr"; default the
     # fake engine's FakeBackend) and keyword arguments (tests and benchmarks)

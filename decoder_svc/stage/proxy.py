@@ -186,7 +186,7 @@ class StageProcess(ReportedFacts):
                 process = self._ctx.Process(target=stage_main, args=(self.spec, cmd_child, ev_child, os.getpid()),
                                             name=f"stage-{self.name}", daemon=True)
                 try:
-                    start_with_threads(process, self.spec.torch_threads)
+                    start_with_threads(process, self.spec.torch_threads, self.spec.omp_wait_policy)
                 finally:
                     cmd_child.close()
                     ev_child.close()
@@ -497,6 +497,7 @@ class StageProcess(ReportedFacts):
                 self._fail(lost, OmniError(message))
             case Ready(pid=pid, facts=facts):
                 self._facts = facts
+                metrics.note_stage_threads(self.name, facts.engine_facts.get("engine_settings", {}))
                 self._ready.set()
                 logger.info("stage %s: engine ready (pid %d)", self.name, pid)
             case StartFailed(reason=reason):

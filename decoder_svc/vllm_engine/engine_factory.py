@@ -95,6 +95,11 @@ class _ForwardLock:
         self._bound: int | None = None  # intra-op threads after the first engine's binding
         self._local = threading.local()
 
+    @property
+    def bound(self) -> int | None:
+        """The intra-op thread count of the engines (None before the first)."""
+        return self._bound
+
     def note_binding(self) -> None:
         """Record the building thread's count (called after an engine is built)."""
         import torch
@@ -170,8 +175,20 @@ def engine_facts(engine: LLMEngine, *, postprocess: str, capture_hidden: bool) -
     # The materializer handoff happens after step() returns: it needs no
     # async scheduling (decoder_svc/guards.py).
     facts["async_output_eligible"] = not facts["speculative_decoding"] and not routed
-    facts["engine_settings"] = settings_of(vc)
+    facts["engine_settings"] = {**settings_of(vc), **thread_settings()}
     return facts
+
+
+def thread_settings() -> dict[str, str]:
+    """This process's thread budget, as GetDecoderInfo reports it beside the
+    engine settings: ``intra_op_threads`` (the count its engines run on) and
+    ``omp_wait_policy`` (OMP_WAIT_POLICY as the process started with it,
+    lower case; "default": unset, OpenMP's own)."""
+    import torch
+
+    threads = FORWARD_LOCK.bound if FORWARD_LOCK.bound is not None else torch.get_num_threads()
+    return {"intra_op_threads": str(threads),
+            "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "").strip().lower() or "default"}
 
 
 def settings_of(vllm_config: Any) -> dict[str, str]:
