@@ -66,10 +66,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--concurrency", default="", metavar="C[,C...]",
                    help="e2e and checkpoint: client concurrency levels (default: e2e 1,16,64, --quick 1,4; "
                         "checkpoint 1,16, --quick 1,2)")
-    p.add_argument("--requests", type=int, default=0, metavar="N",
-                   help="e2e and checkpoint: requests per level (default: e2e 16/96/384, --quick 3/8; "
-                        "checkpoint 4/32, --quick 2/2)")
+    p.add_argument("--requests", default="", metavar="N[,N...]",
+                   help="e2e and checkpoint: requests per level, one count for every level or one per "
+                        "--concurrency level (default: e2e 16/96/384, --quick 3/8; checkpoint 4/32, --quick 2/2)")
+    p.add_argument("--rounds", type=int, default=1, metavar="N",
+                   help="e2e: run every level N times, the order of the stacks rotating; the targets' ratios are "
+                        "the medians over the rounds (default 1)")
+    p.add_argument("--first-chunk", type=int, default=0, metavar="FRAMES",
+                   help="e2e: every request fixes its first audio chunk at this many codec frames "
+                        "(sampling_params.first_chunk_frames; default 0: the deployment chooses by load)")
     return p
+
+
+def request_counts(args: argparse.Namespace) -> tuple[int, ...]:
+    """--requests as integers (checked by main)."""
+    return tuple(int(n) for n in str(args.requests).split(",") if n.strip())
 
 
 def run_suite(name: str, args: argparse.Namespace, out_dir: Path):
@@ -86,12 +97,14 @@ def run_suite(name: str, args: argparse.Namespace, out_dir: Path):
         from bench import e2e
 
         return e2e.run(e2e.E2EConfig.for_run(args.quick, args.engine, args.e2e_model_dir, args.replicas,
-                                             args.failover, concurrency, args.requests), out_dir)
+                                             args.failover, concurrency, request_counts(args), args.first_chunk,
+                                             args.rounds), out_dir)
     if name == "checkpoint":
         from bench import checkpoint
 
+        counts = request_counts(args)
         return checkpoint.run(checkpoint.CheckpointConfig.for_run(args.quick, args.checkpoint, concurrency,
-                                                                  args.requests), out_dir)
+                                                                  counts[0] if counts else 0), out_dir)
     if name == "breakdown":
         from bench import breakdown, step_gap
 
@@ -143,8 +156,23 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError
     except ValueError:
         parser.error(f"--concurrency: expected positive integers separated by commas, got {args.concurrency!r}")
-    if args.requests < 0:
-        parser.error(f"--requests: must be >= 0, got {args.requests}")
+    try:
+        counts = request_counts(args)
+        if any(n < 1 for n in counts):
+            raise ValueError
+    except ValueError:
+        parser.error(f"--requests: expected positive integers separated by commas, got {args.requests!r}")
+    if len(counts) > 1:
+        from bench.e2e import E2EConfig
+
+        levels = [c for c in args.concurrency.split(",") if c.strip()] or E2EConfig.for_run(args.quick).concurrency
+        if args.suite != "e2e" or len(counts) != len(levels):
+            parser.error(f"--requests: {len(counts)} counts for {len(levels)} e2e concurrency levels "
+                         "(give one count, or one per e2e level)")
+    if args.rounds < 1:
+        parser.error(f"--rounds: must be >= 1, got {args.rounds}")
+    if args.first_chunk < 0:
+        parser.error(f"--first-chunk: must be >= 0 frames, got {args.first_chunk}")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
     from bench.common import RESULTS_ROOT, log, results_dir, targets_md, timestamp
 

@@ -235,3 +235,32 @@ def test_report_renders_the_results_files(results, tmp_path):
         assert tables in text, f"the report does not show {suite}'s tables as its run did"
     output.write_text(text)
     assert report.main(["--check", "--index", str(index), "--output", str(output)]) == 0
+
+
+def test_e2e_rounds_and_a_fixed_first_chunk(tmp_path):
+    """`e2e --rounds 2 --first-chunk 2`: every level runs twice on the same
+    stacks, every request's first chunk is the one asked for (so every
+    request's audio is compared across the stacks), and the targets' ratios
+    are the medians over the rounds, with the steady-state target added."""
+    assert cli.main(["e2e", "--quick", "--rounds", "2", "--first-chunk", "2", "--requests", "2,4",
+                     "--out", str(tmp_path)]) == 0
+    (path,) = tmp_path.glob("*-e2e-quick.json*")
+    rec = record.load(path)
+    assert rec["settings"]["rounds"] == 2 and rec["settings"]["first_chunk_frames"] == 2
+    (second,) = rec["raw"]["extra_rounds"]
+    for rnd in (rec["raw"]["levels"], second):
+        assert {c: len(lv["async"]["requests"]) for c, lv in rnd.items()} == {"1": 2, "4": 4}
+        assert {r["first_chunk_frames"] for lv in rnd.values() for m in e2e.MODES for r in lv[m]["requests"]} == {2}
+    data, targets = e2e.analyze(rec)
+    assert len(data["rounds"]) == 2
+    equal, comparable, total = e2e.hashes_held(data["hashes"])
+    assert equal == comparable == total == 6, (equal, comparable, total)
+    by_name = {t.name: t for t in targets}
+    # the quick run has no level 64: the scaling targets are not measured, and say so
+    steady = by_name["e2e TTFP (async): p90 at concurrency 64 / p50 at 1"]
+    assert steady.measured is None and "first chunk fixed at 2 frames" in steady.note, steady
+    thr = [t for t in targets if t.name == "e2e throughput: async / sync (the seed's gain)"][0]
+    per_round = [rnd["4"]["async"]["throughput_rps"] / rnd["4"]["sync"]["throughput_rps"] for rnd in data["rounds"]]
+    assert thr.measured == pytest.approx(sum(per_round) / 2) and "median of 2 rounds" in thr.note, thr
+    md = (tmp_path / "results.md").read_text() if (tmp_path / "results.md").exists() else e2e.render(rec)
+    assert "Every round (2;" in md and "the first chunk fixed at 2 frames" in md

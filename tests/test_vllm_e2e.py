@@ -123,23 +123,32 @@ def test_engine_settings_reach_the_engine_and_are_reported(tmp_path_factory, che
     """`up --engine-set` items reach the talker's engine; GetDecoderInfo and
     /v1/models report the settings as the engine took them; it serves, with
     the talker and Code2Wav in bfloat16 (what ``dtype: auto`` gives on a
-    processor with bfloat16)."""
+    processor with bfloat16). The decoder's thread budget for its stage
+    processes reaches the talker's process and is reported beside them."""
     import json
 
     stack = Stack(StackConfig(engine="vllm", profile="tts", model=str(checkpoint), sync=True, port=0, http_port=0,
                               runtime_dir=str(tmp_path_factory.mktemp("rt")), log_level="WARNING",
                               engine_set="talker.max_num_seqs=8, talker.kv_cache_memory=48MiB,max_model_len=1024,"
-                                         "dtype=bfloat16"))
+                                         "dtype=bfloat16",
+                              extra_decoder_args=["--stage-threads", "1", "--omp-wait-policy", "passive"]))
     stack.start(timeout_s=300)
     try:
         talker, code2wav = decoder_info(stack).stages[:2]
         settings = dict(talker.engine_settings)
         assert dict(code2wav.engine_settings) == {"device": "cpu", "dtype": "bfloat16"}
         assert {k: settings[k] for k in ("max_num_seqs", "kv_cache_memory", "max_model_len", "dtype",
-                                         "device", "enforce_eager", "enable_chunked_prefill")} == {
+                                         "device", "enforce_eager", "enable_chunked_prefill", "intra_op_threads",
+                                         "omp_wait_policy")} == {
             "max_num_seqs": "8", "kv_cache_memory": str(48 * 2**20), "max_model_len": "1024",
             "dtype": "bfloat16", "device": "cpu", "enforce_eager": "true", "enable_chunked_prefill": "true",
+            "intra_op_threads": "1", "omp_wait_policy": "passive",
         }, settings
+        env = psutil.Process(stage_pid(stack, "talker")).environ()
+        assert (env.get("OMP_NUM_THREADS"), env.get("OMP_WAIT_POLICY")) == ("1", "PASSIVE")
+        with urllib.request.urlopen(stack.service("decoder").metrics_url, timeout=30) as resp:
+            exposition = resp.read().decode()
+        assert 'omni_decoder_stage_intra_op_threads{omp_wait_policy="passive",stage="talker"} 1.0' in exposition
         with urllib.request.urlopen(f"{stack.http_url}/v1/models", timeout=30) as resp:
             (card,) = json.load(resp)["data"]
         assert card["engine_settings"] == {"talker": settings, "code2wav": {"device": "cpu", "dtype": "bfloat16"}}
@@ -210,6 +219,13 @@ def generate_final(stack: Stack, text: str, max_tokens: int, audio_s: float) -> 
 
 def audio_bytes(out: gateway_pb2.OmniRequestOutput) -> int:
     return sum(len(t.tensor.inline_data) for t in out.multimodal.tensors if t.name == "audio")
+
+
+def stage_pid(stack: Stack, stage: str) -> int:
+    """The pid of the decoder's engine process for `stage`."""
+    decoder = psutil.Process(stack.service("decoder").proc.pid)
+    (pid,) = [c.pid for c in decoder.children() if f"decoder stage {stage}" in " ".join(c.cmdline())]
+    return pid
 
 
 def engine_processes(stack: Stack) -> dict[str, list[str]]:

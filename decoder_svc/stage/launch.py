@@ -49,10 +49,6 @@ def launch_stages(specs: list[StageHostSpec], *, start_timeout_s: float = 600.0,
 
 
 def stage_specs(profile: Profile, **common: Any) -> list[StageHostSpec]:
-    """One spec per AR stage of the profile.
-
-    Each stage process keeps torch's default intra-op threads (every CPU):
-    a stage whose partner is idle (the thinker done with its replies, the
-    talker still speaking) gets the whole host; a fixed split would leave
-    a core idle then."""
+    """One spec per AR stage of the profile (`common`: the fields every
+    stage shares, its thread budget included: decoder_svc.server.stage_threads)."""
     return [StageHostSpec(profile=profile, stage=s.name, **common) for s in profile.ar_stages]
