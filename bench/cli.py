@@ -72,6 +72,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rounds", type=int, default=1, metavar="N",
                    help="e2e: run every level N times, the order of the stacks rotating; the targets' ratios are "
                         "the medians over the rounds (default 1)")
+    p.add_argument("--no-omni", action="store_true",
+                   help="e2e: skip the omni variant (thinker -> talker -> code2wav through Generate)")
     p.add_argument("--first-chunk", type=int, default=0, metavar="FRAMES",
                    help="e2e: every request fixes its first audio chunk at this many codec frames "
                         "(sampling_params.first_chunk_frames; default 0: the deployment chooses by load)")
@@ -98,7 +100,7 @@ def run_suite(name: str, args: argparse.Namespace, out_dir: Path):
 
         return e2e.run(e2e.E2EConfig.for_run(args.quick, args.engine, args.e2e_model_dir, args.replicas,
                                              args.failover, concurrency, request_counts(args), args.first_chunk,
-                                             args.rounds), out_dir)
+                                             args.rounds, omni=not args.no_omni), out_dir)
     if name == "checkpoint":
         from bench import checkpoint
 

@@ -114,7 +114,7 @@ class E2EConfig:
     @classmethod
     def for_run(cls, quick: bool, engine: str = "auto", model_dir: str = "", replicas: int = 1,
                 failover: bool = False, concurrency: tuple[int, ...] = (), requests: int | tuple[int, ...] = 0,
-                first_chunk_frames: int = 0, rounds: int = 1) -> E2EConfig:
+                first_chunk_frames: int = 0, rounds: int = 1, omni: bool = True) -> E2EConfig:
         if quick:
             cfg = cls(quick=True, engine="fake" if engine == "auto" else engine, concurrency=(1, 4),
                       prompts={1: 3, 4: 8}, max_tokens=16, warmup_max_tokens=16, model_dir=model_dir,
@@ -122,7 +122,7 @@ class E2EConfig:
         else:
             cfg = cls(engine="vllm" if engine == "auto" else engine, model_dir=model_dir)
         cfg.replicas, cfg.failover = replicas, failover
-        cfg.first_chunk_frames, cfg.rounds = first_chunk_frames, rounds
+        cfg.first_chunk_frames, cfg.rounds, cfg.omni = first_chunk_frames, rounds, omni
         if concurrency:
             cfg.concurrency = tuple(concurrency)
         counts = tuple(requests) if isinstance(requests, tuple) else ((requests,) if requests else ())

@@ -5,7 +5,7 @@
     (or omni-serving bench threads ...)
 
 Each setting is the decoder's ``--stage-threads`` and ``--omp-wait-policy``
-(``THREADS[/POLICY]``: ``auto`` = torch's default, every CPU; ``passive`` /
+(``THREADS[/POLICY]``: ``auto`` = the decoder's default; ``passive`` /
 ``active`` = OMP_WAIT_POLICY; no policy = OpenMP's default). A round starts
 one stack per setting, one at a time (the order rotates per round, so that
 a slow moment of the host falls on a different setting each time): vLLM

@@ -130,8 +130,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stage-threads", default=os.environ.get("OMNI_STAGE_THREADS", "auto"),
                    help="intra-op threads of each AR stage's engine process (OMP_NUM_THREADS at its "
                         "start; an OMP_NUM_THREADS of this process's environment wins); auto = the CPUs this "
-                        "process may use split between the stage processes, at least 1 each (default auto; "
-                        "docs/decoder.md, 'Threads')")
+                        "process may use, less one per code2wav worker and one for the other services, split "
+                        "between the stage processes, at least 1 each (default auto; docs/decoder.md, 'Threads')")
     p.add_argument("--omp-wait-policy", choices=("auto", "passive", "active"),
                    default=os.environ.get("OMNI_OMP_WAIT_POLICY", "auto"),
                    help="OMP_WAIT_POLICY of each AR stage's engine process: passive = an idle OpenMP "
@@ -210,19 +210,22 @@ def code2wav_workers(args: argparse.Namespace, cores: int | None = None) -> int:
     return value
 
 
-def stage_threads(args: argparse.Namespace, stages: int = 1, cores: int | None = None) -> tuple[int, str]:
+def stage_threads(args: argparse.Namespace, stages: int = 1, cores: int | None = None,
+                  reserved: int = 1) -> tuple[int, str]:
     """(OMP_NUM_THREADS, OMP_WAIT_POLICY) for each of `stages` stage
     processes, from --stage-threads and --omp-wait-policy ("": OpenMP's
-    default policy). --stage-threads auto splits the cores this process may
-    run on between the stage processes (at least one each): measured on a
-    2-core host, two stages of one thread each served 1.25x the requests of
-    two of two threads each (bench/RESULTS.md, docs/decoder.md "Threads").
-    An InvalidArgumentError names the option."""
+    default policy). --stage-threads auto: the cores this process may run on,
+    less `reserved` (one per code2wav worker, and one for this process, the
+    materializer and the gateway), split between the stage processes, at
+    least one thread each. Measured on a 2-core host (bench threads), one
+    thread per stage process beat every core per process for both shipped
+    profiles (docs/decoder.md "Threads"). An InvalidArgumentError names the
+    option."""
     raw = str(getattr(args, "stage_threads", "auto")).strip()
     if raw == "auto":
         if cores is None:
             cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
-        threads = max(1, cores // max(1, stages))
+        threads = max(1, (cores - reserved) // max(1, stages))
     else:
         try:
             threads = int(raw)
@@ -256,7 +259,7 @@ def _launch_stage_processes(args: argparse.Namespace, profile, model: str) -> di
     """One engine process per AR stage (decoder_svc.stage), ready."""
     from decoder_svc.stage.launch import launch_stages, stage_specs
 
-    threads, wait_policy = stage_threads(args, len(profile.ar_stages))
+    threads, wait_policy = stage_threads(args, len(profile.ar_stages), reserved=code2wav_workers(args) + 1)
     specs = stage_specs(
         profile,
         torch_threads=threads,

@@ -238,15 +238,16 @@ def test_report_renders_the_results_files(results, tmp_path):
 
 
 def test_e2e_rounds_and_a_fixed_first_chunk(tmp_path):
-    """`e2e --rounds 2 --first-chunk 2`: every level runs twice on the same
+    """`e2e --rounds 2 --first-chunk 2 --no-omni`: every level runs twice on the same
     stacks, every request's first chunk is the one asked for (so every
     request's audio is compared across the stacks), and the targets' ratios
     are the medians over the rounds, with the steady-state target added."""
-    assert cli.main(["e2e", "--quick", "--rounds", "2", "--first-chunk", "2", "--requests", "2,4",
+    assert cli.main(["e2e", "--quick", "--rounds", "2", "--first-chunk", "2", "--requests", "2,4", "--no-omni",
                      "--out", str(tmp_path)]) == 0
     (path,) = tmp_path.glob("*-e2e-quick.json*")
     rec = record.load(path)
     assert rec["settings"]["rounds"] == 2 and rec["settings"]["first_chunk_frames"] == 2
+    assert rec["raw"]["omni"] is None  # --no-omni
     (second,) = rec["raw"]["extra_rounds"]
     for rnd in (rec["raw"]["levels"], second):
         assert {c: len(lv["async"]["requests"]) for c, lv in rnd.items()} == {"1": 2, "4": 4}

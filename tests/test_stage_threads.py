@@ -25,14 +25,15 @@ def _options(*argv: str) -> argparse.Namespace:
 def test_the_thread_options_default_to_openmps_own_and_are_checked_naming_the_option(monkeypatch):
     monkeypatch.delenv("OMNI_STAGE_THREADS", raising=False)
     monkeypatch.delenv("OMNI_OMP_WAIT_POLICY", raising=False)
-    # auto: the cores split between the stage processes, at least one thread each
-    got = {(stages, cores): stage_threads(_options(), stages, cores)[0]
-           for stages, cores in ((1, 2), (2, 2), (2, 1), (2, 3), (2, 16), (3, 64))}
-    assert got == {(1, 2): 2, (2, 2): 1, (2, 1): 1, (2, 3): 1, (2, 16): 8, (3, 64): 21}, got
+    # auto: the cores less those reserved (code2wav workers, the other services), split between the
+    # stage processes, at least one thread each
+    got = {(stages, cores, reserved): stage_threads(_options(), stages, cores, reserved)[0]
+           for stages, cores, reserved in ((1, 2, 2), (2, 2, 2), (2, 1, 2), (1, 4, 2), (2, 16, 3), (2, 64, 5))}
+    assert got == {(1, 2, 2): 1, (2, 2, 2): 1, (2, 1, 2): 1, (1, 4, 2): 2, (2, 16, 3): 6, (2, 64, 5): 29}, got
     assert stage_threads(_options(), 1)[0] >= 1  # this host's cores
     assert stage_threads(_options())[1] == ""  # OpenMP's own wait policy
     assert stage_threads(_options("--stage-threads", "3", "--omp-wait-policy", "passive"), 2, 2) == (3, "passive")
-    assert stage_threads(_options("--omp-wait-policy", "active"), 2, 4) == (2, "active")
+    assert stage_threads(_options("--omp-wait-policy", "active"), 2, 6) == (2, "active")
     for bad in ("0", "-2", "two", "1.5"):
         with pytest.raises(InvalidArgumentError) as err:
             stage_threads(_options("--stage-threads", bad))

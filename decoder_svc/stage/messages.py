@@ -76,7 +76,7 @@ class StageHostSpec:
     readiness_timeout_ms: int = 5000
     stall_timeout_s: float = 3.0
     acquire_timeout_s: float = 0.5
-    torch_threads: int = 0  # intra-op threads (OMP_NUM_THREADS); 0: torch's default
+    torch_threads: int = 0  # intra-op threads (OMP_NUM_THREADS); 0: torch's default (the decoder sets it)
     omp_wait_policy: str = ""  # OMP_WAIT_POLICY (passive | active); "": OpenMP's default
     log_level: str = "INFO"
     # the fake engine: its backend's factory ("package.module:attr"; default the
