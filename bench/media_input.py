@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -152,12 +151,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     rec = run(args.checkpoint, tuple(float(s) for s in args.audio_seconds.split(",") if s),
               _pairs(args.images), args.repeats)
-    md = render(rec)
-    print(md)
-    folder = Path(args.out) if args.out else record.RESULTS_DIR
-    path = record.save(rec, folder, slug=args.slug, argv=argv, program="omni-serving bench media-input",
-                       wall_s=time.perf_counter() - t0)
-    print(f"results file: {path}")
+    record.publish(rec, render(rec), out=args.out, slug=args.slug, argv=argv, suite="media-input", started=t0)
     return 0
 
 

@@ -251,11 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         args.sessions, args.speech_seconds, args.runs = 2, 1.0, 1
     t0 = time.perf_counter()
     rec = run(args.engine, args.checkpoint, args.sessions, args.speech_seconds, args.runs, args.quick)
-    print(render(rec))
-    folder = Path(args.out) if args.out else record.RESULTS_DIR
-    path = record.save(rec, folder, slug=args.slug, argv=argv, program="omni-serving bench realtime",
-                       wall_s=time.perf_counter() - t0)
-    print(f"results file: {path}")
+    record.publish(rec, render(rec), out=args.out, slug=args.slug, argv=argv, suite="realtime", started=t0)
     return 0
 
 

@@ -44,6 +44,7 @@ import os
 import re
 import shlex
 import subprocess
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -159,6 +160,18 @@ def save(record: dict[str, Any], folder: Path, *, slug: str = "", argv: Sequence
     if len(data) > COMMIT_LIMIT:
         log(f"{path.name}: {len(data) / 2**20:.1f} MiB, over the {COMMIT_LIMIT // 2**20} MiB a committed results "
             "file may weigh: run fewer requests or steps before committing it")
+    return path
+
+
+def publish(record: dict[str, Any], table: str, *, out: str | None, slug: str, argv: Sequence[str], suite: str,
+            started: float) -> Path:
+    """What a suite with its own command line does at its end: print its
+    table, save its results file (into `out`, or bench/results/) with the
+    command that repeats it, print the file's path."""
+    print(table)
+    path = save(record, Path(out) if out else RESULTS_DIR, slug=slug, argv=argv,
+                program=f"omni-serving bench {suite}", wall_s=time.perf_counter() - started)
+    print(f"results file: {path}")
     return path
 
 

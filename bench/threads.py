@@ -34,7 +34,6 @@ import argparse
 import sys
 import tempfile
 import time
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -241,11 +240,7 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     rec = run(settings, args.rounds, args.profile, args.engine, args.concurrency, args.requests, args.idle_s,
               args.quick)
-    print(render(rec))
-    folder = Path(args.out) if args.out else record.RESULTS_DIR
-    path = record.save(rec, folder, slug=args.slug, argv=argv, program="omni-serving bench threads",
-                       wall_s=time.perf_counter() - t0)
-    print(f"results file: {path}")
+    record.publish(rec, render(rec), out=args.out, slug=args.slug, argv=argv, suite="threads", started=t0)
     return 0
 
 
