@@ -64,13 +64,12 @@ def start_with_threads(process, threads: int, wait_policy: str = "") -> None:
     reads both once, when torch loads: every thread of the process then
     agrees on the count (vLLM's CPU attention checks that the thread that
     plans a step and the one that runs it do). A variable already set in
-    our environment (the deployment's) is left as it is."""
+    our environment (the deployment's) is left as it is. Every spawned
+    process of the decoder starts through here (threads 0: nothing set), so
+    none inherits another's variables while they are set."""
     wanted = {"OMP_NUM_THREADS": str(threads) if threads > 0 else "",
               "OMP_WAIT_POLICY": wait_policy.upper()}
     wanted = {k: v for k, v in wanted.items() if v and not os.environ.get(k)}
-    if not wanted:
-        process.start()
-        return
     with _ENV_LOCK:
         os.environ.update(wanted)
         try:

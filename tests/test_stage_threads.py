@@ -78,3 +78,33 @@ def test_a_spawned_process_starts_with_the_budget_and_ours_is_left_as_it_was(mon
     monkeypatch.setenv("OMP_NUM_THREADS", "2")
     assert _child_env(1, "active") == {"OMP_NUM_THREADS": "2", "OMP_WAIT_POLICY": "ACTIVE"}
     assert os.environ["OMP_NUM_THREADS"] == "2" and "OMP_WAIT_POLICY" not in os.environ
+
+
+def test_a_process_started_meanwhile_waits_until_the_variables_are_gone(monkeypatch):
+    """Every spawned process starts under the same lock as the one whose
+    variables are set for it: a code2wav worker started while a stage
+    process starts never inherits the stage's OMP variables."""
+    import threading
+
+    from decoder_svc import spawned
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("OMP_WAIT_POLICY", raising=False)
+    ctx = multiprocessing.get_context("spawn")
+    ours, theirs = ctx.Pipe(duplex=False)
+    process = ctx.Process(target=_report_env, args=(theirs,))
+    with spawned._ENV_LOCK:  # as while a stage process starts with its variables set
+        starter = threading.Thread(target=start_with_threads, args=(process, 0))
+        starter.start()
+        starter.join(0.5)
+        assert starter.is_alive() and process.pid is None, "it started while another's variables were set"
+        os.environ["OMP_WAIT_POLICY"] = "ACTIVE"  # what the other process's start has set meanwhile
+        del os.environ["OMP_WAIT_POLICY"]  # and takes back before it lets go
+    starter.join(60)
+    theirs.close()
+    try:
+        assert process.pid is not None and ours.poll(60)
+        assert ours.recv() == {"OMP_NUM_THREADS": None, "OMP_WAIT_POLICY": None}
+    finally:
+        process.join(30)
+        ours.close()

@@ -94,6 +94,7 @@ from decoder_svc.code2wav.messages import (
     Stop,
 )
 from decoder_svc.code2wav.worker import worker_main
+from decoder_svc.spawned import start_with_threads
 from omni_common.errors import InvalidArgumentError, OmniError, UnavailableError
 from omni_common.liveness import Progress, no_progress
 from omni_common.metrics_forward import FORWARDED, Forwarded
@@ -229,7 +230,7 @@ class Code2WavProcessPool:
                 daemon=True,
             )
             try:
-                w.process.start()
+                start_with_threads(w.process, 0)  # its threads are set inside (torch_threads)
             finally:
                 # Only the child holds its ends now: its exit closes the result
                 # pipe (EOF for our reader), ours closing stops it.
