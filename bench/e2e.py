@@ -343,7 +343,7 @@ def decoder_info(target: str) -> dict[str, Any]:
     with grpc.insecure_channel(target) as ch:
         info = decoder_pb2_grpc.DecoderServiceStub(ch).GetDecoderInfo(decoder_pb2.GetDecoderInfoRequest(), timeout=30)
     stages = [{"name": st.name, "output_path": decoder_pb2.OutputPath.Name(st.output_path), "reason": st.reason,
-               "steps": st.steps} for st in info.stages]
+               "steps": st.steps, "engine_settings": dict(st.engine_settings)} for st in info.stages]
     talker = next((st for st in info.stages if st.name == "talker"), info.stages[0])
     return {
         "engine": info.engine, "profile": info.profile, "stages": stages,

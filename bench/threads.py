@@ -40,15 +40,16 @@ import numpy as np
 
 from bench import record
 from bench.common import fmt, log, machine_md, md_table, pct, progress
+from bench.e2e import Client, E2EConfig, cpu_snapshot, decoder_info
 
 __all__ = ["analyze", "main", "parse_setting", "render", "run"]
 
-MEASURES = (  # key, caption, better when higher
-    ("throughput_rps", "throughput (req/s)", True),
-    ("ttfp_p50_ms", "first audio p50 (ms)", False),
-    ("ttfp_p90_ms", "first audio p90 (ms)", False),
-    ("cpu_ms_per_request", "decoder CPU per request (ms)", False),
-    ("idle_cores", "decoder CPU at idle (cores)", False),
+MEASURES = (  # key, caption
+    ("throughput_rps", "throughput (req/s)"),
+    ("ttfp_p50_ms", "first audio p50 (ms)"),
+    ("ttfp_p90_ms", "first audio p90 (ms)"),
+    ("cpu_ms_per_request", "decoder CPU per request (ms)"),
+    ("idle_cores", "decoder CPU at idle (cores)"),
 )
 
 
@@ -76,28 +77,20 @@ def decoder_args(setting: str) -> list[str]:
 
 
 def _stage_threads(target: str) -> dict[str, dict[str, str]]:
-    """Each AR stage's thread budget as GetDecoderInfo reports it."""
-    import grpc
-
-    from omni_serving.v1 import decoder_pb2, decoder_pb2_grpc
-
-    with grpc.insecure_channel(target) as ch:
-        info = decoder_pb2_grpc.DecoderServiceStub(ch).GetDecoderInfo(decoder_pb2.GetDecoderInfoRequest(), timeout=30)
-    return {st.name: {k: st.engine_settings[k] for k in ("intra_op_threads", "omp_wait_policy")
-                      if k in st.engine_settings}
-            for st in info.stages if st.kind == decoder_pb2.STAGE_KIND_AR}
+    """Each stage's thread budget as GetDecoderInfo reports it (stages that say one)."""
+    keys = ("intra_op_threads", "omp_wait_policy")
+    return {st["name"]: {k: st["engine_settings"][k] for k in keys if k in st["engine_settings"]}
+            for st in decoder_info(target)["stages"] if "intra_op_threads" in st["engine_settings"]}
 
 
 def _decoder_cpu(stack: Any) -> float:
-    from bench.breakdown import proc_cpu
-
-    return sum(proc_cpu(svc.proc.pid) for svc in stack.services if svc.name.startswith("decoder"))
+    """CPU seconds so far of the stack's decoders (their stage processes and code2wav workers included)."""
+    return sum(v for name, v in cpu_snapshot(stack).items() if name.startswith("decoder"))
 
 
 def _one(setting: str, profile: str, engine: str, concurrency: int, requests: int, idle_s: float,
          tag: str) -> dict[str, Any]:
     """One stack with `setting`: warm-up, idle, load."""
-    from bench.e2e import Client, E2EConfig
     from omni_stack.config import StackConfig
     from omni_stack.stack import Stack
 
@@ -171,12 +164,12 @@ def analyze(rec: dict[str, Any]) -> dict[str, Any]:
     for s, got in cells.items():
         ms = [_measures(c) for c in got]
         per[s] = {k: {"median": float(np.median([m[k] for m in ms])), "min": min(m[k] for m in ms),
-                      "max": max(m[k] for m in ms)} for k, _, _ in MEASURES}
+                      "max": max(m[k] for m in ms)} for k, _ in MEASURES}
         per[s]["stages"] = got[0]["stages"] if got else {}
     base = per[settings[0]]
     for s in settings:
         per[s]["vs_first"] = {k: per[s][k]["median"] / base[k]["median"] if base[k]["median"] else float("nan")
-                              for k, _, _ in MEASURES}
+                              for k, _ in MEASURES}
     hashes = [c["hashes"] for rnd in rec["raw"]["rounds"] for c in rnd]
     same = sum(1 for i in hashes[0] if len({h.get(i) for h in hashes}) == 1) if hashes else 0
     return {"per_setting": per, "settings": rec["settings"], "hashes_equal": same,
@@ -198,11 +191,11 @@ def render(rec: dict[str, Any]) -> str:
         ran = ", ".join(f"{st} {v.get('intra_op_threads', '?')}/{v.get('omp_wait_policy', '?')}"
                         for st, v in per["stages"].items())
         row = [f"`{name}`", ran]
-        for key, _, _ in MEASURES:
+        for key, _ in MEASURES:
             m = per[key]
             row.append(f"{fmt(m['median'])} ({fmt(m['min'])}-{fmt(m['max'])}) {per['vs_first'][key]:.2f}x")
         rows.append(row)
-    table = md_table(["setting", "stages ran with (threads/policy)", *(c for _, c, _ in MEASURES)], rows)
+    table = md_table(["setting", "stages ran with (threads/policy)", *(c for _, c in MEASURES)], rows)
     same = (f"Audio and text equal across every setting and round for {res['hashes_equal']} of "
             f"{res['hashes_total']} requests (seeded; the first chunk depends on the load at a request's start).")
     return f"{head}\n\n{table}\n\n{same}\n\n{machine_md(res['machine'], res['date'])}\n"
