@@ -59,3 +59,13 @@ def reference(checkpoint):
     from tests.reference_model import load_reference
 
     return load_reference(checkpoint)
+
+
+@pytest.fixture(scope="session")
+def tts_checkpoints(tmp_path_factory) -> dict[str, Path]:
+    """The tiny Qwen3-TTS checkpoints (seed 0) of the three kinds, by kind, written once per session."""
+    from decoder_svc.qwen3_tts.layout import KINDS
+    from decoder_svc.qwen3_tts.tiny import create_tiny_checkpoint
+
+    root = tmp_path_factory.mktemp("tts-ckpt")
+    return {kind: create_tiny_checkpoint(root / kind, kind=kind) for kind in KINDS}

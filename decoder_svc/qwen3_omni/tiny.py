@@ -30,7 +30,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["create_tiny_checkpoint", "TINY_FORMAT", "SPECIAL_TOKENS", "SPEAKERS", "CHAT_TEMPLATE"]
+__all__ = ["create_tiny_checkpoint", "train_bpe", "TINY_FORMAT", "SPECIAL_TOKENS", "SPEAKERS", "CHAT_TEMPLATE"]
 
 # Bumped whenever the tiny checkpoint's content changes (the model cache keys on it).
 TINY_FORMAT = 4
@@ -132,21 +132,27 @@ def chat_tokenizer(tok, *, model_max_length: int):  # noqa: ANN001, ANN201
     return fast
 
 
-def _tokenizer():
+def train_bpe(special_tokens: tuple[str, ...], vocab_size: int = VOCAB_SIZE):  # noqa: ANN201
+    """A byte-level BPE ``tokenizers.Tokenizer`` trained offline on a small
+    English corpus, ``special_tokens`` first (ids 0.. in their order)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=VOCAB_SIZE,
+        vocab_size=vocab_size,
         min_frequency=1,
-        special_tokens=list(SPECIAL_TOKENS),
+        special_tokens=list(special_tokens),
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
     tok.train_from_iterator(list(_CORPUS) * 4, trainer=trainer)
-    fast = chat_tokenizer(tok, model_max_length=2048)
+    return tok
+
+
+def _tokenizer():
+    fast = chat_tokenizer(train_bpe(SPECIAL_TOKENS), model_max_length=2048)
     for t in SPECIAL_TOKENS:  # the ids config.json names
         assert fast.convert_tokens_to_ids(t) == _ID[t], t
     return fast
