@@ -29,50 +29,41 @@ reading, and tensors are read with safetensors' ``safe_open``.
 
 from __future__ import annotations
 
-import hashlib
-import json
-import os
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
+
+from decoder_svc.checkpoint_files import (
+    CONFIG,
+    INDEX,
+    SINGLE,
+    CheckpointError,
+    CheckpointFiles,
+    read_json,
+    read_weights,
+)
 
 from .checkpoint_tensors import expected_shapes, required_prefixes, required_tensors
 from .media_features import AudioFeatures, ImageFeatures
 
-if TYPE_CHECKING:
-    import torch
-
 __all__ = [
     "ARCHITECTURE",
     "AudioFeatures",
+    "CONFIG",
+    "INDEX",
+    "SINGLE",
     "CheckpointError",
     "OmniCheckpoint",
 ]
 
 ARCHITECTURE = "Qwen3OmniMoeForConditionalGeneration"
 
-CONFIG = "config.json"
 GENERATION_CONFIG = "generation_config.json"
-INDEX = "model.safetensors.index.json"
-SINGLE = "model.safetensors"
 TOKENIZER_CONFIG = "tokenizer_config.json"
 PREPROCESSOR_CONFIG = "preprocessor_config.json"
 CHAT_TEMPLATE_JSON = "chat_template.json"
 CHAT_TEMPLATE_JINJA = "chat_template.jinja"
-
-
-class CheckpointError(Exception):
-    """A checkpoint directory that cannot be served: ``file: key: message``."""
-
-    def __init__(self, file: str | Path, key: str, message: str) -> None:
-        self.file = file
-        self.key = key
-        self.message = message
-        super().__init__(f"{file}: {key}: {message}")
-
-    def __reduce__(self):  # picklable across processes
-        return (type(self), (self.file, self.key, self.message))
 
 
 # -- config.json --------------------------------------------------------------------------
@@ -317,38 +308,6 @@ def _validate_config(file: Path, config: Any) -> None:
 # -- files ---------------------------------------------------------------------------------
 
 
-def _read_json(path: Path, what: str) -> Any:
-    try:
-        with open(path, "rb") as f:
-            data = f.read()
-    except FileNotFoundError:
-        raise CheckpointError(path, what, "file not found") from None
-    except OSError as exc:
-        raise CheckpointError(path, what, f"cannot read: {exc.strerror or exc}") from exc
-    try:
-        return json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(path, what, f"not valid JSON: {exc}") from exc
-
-
-def _shard_keys(path: Path) -> dict[str, list[int]]:
-    """Tensor name -> shape, from a safetensors file's header (no tensor data read)."""
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="pt") as f:
-            return {name: list(f.get_slice(name).get_shape()) for name in f.keys()}
-    except FileNotFoundError:
-        raise CheckpointError(path, "weights", "file not found") from None
-    except Exception as exc:  # noqa: BLE001 - safetensors raises its own error types
-        raise CheckpointError(path, "header", f"not a readable safetensors file: {exc}") from exc
-
-
-def _file_stamp(path: Path) -> bytes:
-    st = path.stat()
-    return f"{path.name}:{st.st_size}:{st.st_mtime_ns}".encode()
-
-
 class SubConfigs:
     """The sub-configurations of a Qwen3-Omni ``config.json`` (``self.config``)."""
 
@@ -372,7 +331,7 @@ def _media_features(path: Path, config: dict) -> tuple[AudioFeatures | None, Ima
     file = path / PREPROCESSOR_CONFIG
     if not file.exists():
         return None, None
-    data = _read_json(file, "preprocessor_config")
+    data = read_json(file, "preprocessor_config")
     if not isinstance(data, dict):
         raise CheckpointError(file, "(top level)", f"must be a JSON object, got {type(data).__name__}")
 
@@ -400,15 +359,9 @@ def _media_features(path: Path, config: dict) -> tuple[AudioFeatures | None, Ima
 
 
 @dataclass(frozen=True)
-class OmniCheckpoint(SubConfigs):
+class OmniCheckpoint(SubConfigs, CheckpointFiles):
     """A validated Qwen3-Omni-MoE checkpoint directory (see the module docstring)."""
 
-    path: Path
-    config: dict
-    generation_config: dict
-    weight_map: dict[str, str]
-    # tensor name -> shape, from the shards' headers (no tensor data read)
-    shapes: dict[str, list[int]] = field(default_factory=dict, compare=False, repr=False)
     # the thinker's audio and image input (preprocessor_config.json); None: not taken
     audio_input: AudioFeatures | None = None
     image_input: ImageFeatures | None = None
@@ -425,106 +378,24 @@ class OmniCheckpoint(SubConfigs):
         path = path.resolve()
 
         config_file = path / CONFIG
-        config = _read_json(config_file, "config")
+        config = read_json(config_file, "config")
         _validate_config(config_file, config)
 
         generation: dict = {}
         gen_file = path / GENERATION_CONFIG
         if gen_file.exists():
-            generation = _read_json(gen_file, "generation_config")
+            generation = read_json(gen_file, "generation_config")
             if not isinstance(generation, dict):
                 raise CheckpointError(gen_file, "(top level)",
                                       f"must be a JSON object, got {type(generation).__name__}")
 
-        weight_map, shapes, index_file = _read_weights(path)
+        weight_map, shapes, index_file = read_weights(path)
         _check_tensors(config, weight_map, shapes, path, index_file)
         _check_tokenizer(path)
         audio, image = _media_features(path, config)
         return cls(path=path, config=config, generation_config=generation, weight_map=weight_map, shapes=shapes,
                    audio_input=audio, image_input=image)
 
-    # -- weights
-    def shard_files(self, prefix: str = "") -> list[Path]:
-        """Shards holding at least one tensor whose name starts with ``prefix``, sorted."""
-        names = {shard for name, shard in self.weight_map.items() if name.startswith(prefix)}
-        return sorted(self.path / shard for shard in names)
-
-    def tensors(self, prefix: str) -> dict[str, torch.Tensor]:
-        """Every tensor whose name starts with ``prefix`` (full names as keys), read
-        read-only from only the shards that hold them."""
-        from safetensors import safe_open
-
-        by_shard: dict[str, list[str]] = {}
-        for name, shard in self.weight_map.items():
-            if name.startswith(prefix):
-                by_shard.setdefault(shard, []).append(name)
-        out: dict[str, torch.Tensor] = {}
-        for shard in sorted(by_shard):
-            with safe_open(str(self.path / shard), framework="pt", device="cpu") as f:
-                for name in sorted(by_shard[shard]):
-                    out[name] = f.get_tensor(name)
-        return out
-
-    def numel(self, prefix: str) -> int:
-        """Elements of the tensors named `prefix*` (from the headers)."""
-        total = 0
-        for name, shape in self.shapes.items():
-            if name.startswith(prefix):
-                n = 1
-                for d in shape:
-                    n *= int(d)
-                total += n
-        return total
-
-    def fingerprint(self) -> str:
-        """A short stable hash of what the checkpoint is: its resolved path, config.json,
-        the weight index and each shard's size and modification time (for cache keys)."""
-        h = hashlib.sha256()
-        h.update(os.fsencode(str(self.path.resolve())) + b"\0")
-        for name in (CONFIG, INDEX):
-            f = self.path / name
-            h.update(name.encode() + b"\0")
-            h.update(f.read_bytes() if f.exists() else b"")
-            h.update(b"\0")
-        for shard in sorted(set(self.weight_map.values())):
-            h.update(_file_stamp(self.path / shard) + b"\0")
-        return h.hexdigest()[:16]
-
-
-def _read_weights(path: Path) -> tuple[dict[str, str], dict[str, list[int]], Path]:
-    """(weight_map, shapes of every tensor, the file that lists them)."""
-    index_file = path / INDEX
-    if index_file.exists():
-        index = _read_json(index_file, "weight_map")
-        weight_map = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(weight_map, dict) or not weight_map:
-            raise CheckpointError(index_file, "weight_map", "missing or empty (expected tensor -> shard file)")
-        for name, shard in weight_map.items():
-            if not isinstance(shard, str) or not shard or Path(shard).is_absolute() or ".." in Path(shard).parts:
-                raise CheckpointError(index_file, f"weight_map.{name}",
-                                      f"shard must be a file name inside the checkpoint, got {shard!r}")
-        for shard in sorted(set(weight_map.values())):
-            if not (path / shard).is_file():
-                raise CheckpointError(path / shard, "weight_map",
-                                      f"shard named in {INDEX} is missing")
-        by_shard: dict[str, list[str]] = {}
-        for name, shard in weight_map.items():
-            by_shard.setdefault(shard, []).append(name)
-        shapes: dict[str, list[int]] = {}
-        for shard in sorted(by_shard):
-            found = _shard_keys(path / shard)
-            for name in by_shard[shard]:
-                if name not in found:
-                    raise CheckpointError(path / shard, name,
-                                          f"missing (listed in {INDEX} weight_map, not in the shard)")
-                shapes[name] = found[name]
-        return dict(weight_map), shapes, index_file
-    single = path / SINGLE
-    if not single.is_file():
-        raise CheckpointError(single, "weights",
-                              f"no weights: neither {SINGLE} nor {INDEX} in {path}")
-    shapes = _shard_keys(single)
-    return {name: SINGLE for name in shapes}, shapes, single
 
 
 def _check_tensors(config: dict, weight_map: dict[str, str], shapes: dict[str, list[int]],
@@ -553,7 +424,7 @@ def _check_tokenizer(path: Path) -> None:
                               "no tokenizer: neither tokenizer.json nor vocab.json + merges.txt")
     tok_config = path / TOKENIZER_CONFIG
     if tok_config.is_file():
-        data = _read_json(tok_config, "tokenizer_config")
+        data = read_json(tok_config, "tokenizer_config")
         if not isinstance(data, dict):
             raise CheckpointError(tok_config, "(top level)",
                                   f"must be a JSON object, got {type(data).__name__}")
@@ -561,7 +432,7 @@ def _check_tokenizer(path: Path) -> None:
             return
     template_json = path / CHAT_TEMPLATE_JSON
     if template_json.is_file():
-        data = _read_json(template_json, "chat_template")
+        data = read_json(template_json, "chat_template")
         if not isinstance(data, dict) or not _template_ok(data.get("chat_template")):
             raise CheckpointError(template_json, "chat_template", "missing or empty")
         return

@@ -63,6 +63,7 @@ from .code2wav_layers import (
 )
 
 __all__ = [
+    "CodecDecoder",
     "Code2Wav",
     "Code2WavStream",
     "decode_with_left_context",
@@ -86,7 +87,143 @@ _DERIVED_BUFFERS = frozenset(
 # -------------------------------------------------------------------- model
 
 
-class Code2Wav(nn.Module):
+class CodecDecoder(nn.Module):
+    """What a streaming codec decoder has in common (Qwen3-Omni's Code2Wav,
+    Qwen3-TTS's 12 Hz decoder): codes [T, Q] -> per-frame rows (``_embed``)
+    -> causal convolutions before the transformer (``_pre_stack``; none in
+    Code2Wav) -> the sliding-window transformer (``pre_transformer``) ->
+    the upsampling and decoder convolutions (``_conv_stack``) -> audio in
+    [-1, 1]. Subclasses build the layers and call :meth:`_setup`."""
+
+    code_embedding: nn.Module
+    pre_transformer: Transformer
+    upsample: nn.ModuleList
+    decoder: nn.ModuleList
+
+    def _setup(self, num_quantizers: int, codebook_size: int, upsampling_ratios: tuple[int, ...],
+               upsample_rates: tuple[int, ...]) -> None:
+        self.num_quantizers = num_quantizers
+        self.codebook_size = codebook_size
+        self.sample_rate = SAMPLE_RATE
+        self.samples_per_frame = math.prod(upsampling_ratios) * math.prod(upsample_rates)
+        # Each transposed conv trimmed on its left loses that many samples at its own rate.
+        tail, scale = 0, 1
+        for layer in reversed([m for m in self.modules() if isinstance(m, CausalTransConv1d)]):
+            tail += layer.left * scale
+            scale *= layer.stride
+        self.tail_samples = tail
+
+    # ---------------------------------------------------------- loading
+
+    @classmethod
+    def _from_config(cls, config: Mapping[str, Any]) -> CodecDecoder:
+        raise NotImplementedError
+
+    @classmethod
+    def expected_shapes(cls, config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
+        """Released tensor names (without prefix) -> shapes for this config."""
+        with torch.device("meta"):
+            model = cls._from_config(config)
+        return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+
+    @classmethod
+    def from_config_and_tensors(
+        cls,
+        config: Mapping[str, Any],
+        tensors: Mapping[str, torch.Tensor],
+        prefix: str = "code2wav.",
+        *,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype = torch.float32,
+    ) -> Any:
+        """Build from a config dict and checkpoint tensors, its weights on
+        `device` in `dtype` (derived buffers -- rotary frequencies, code
+        offsets -- stay float32)."""
+        with torch.device("meta"):
+            model = cls._from_config(config)
+        what = prefix.rstrip(".")
+        expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+        state: dict[str, torch.Tensor] = {}
+        for name, shape in expected.items():
+            key = prefix + name
+            if key not in tensors:
+                raise ValueError(f"{what}: missing tensor {key!r} (expected shape {shape})")
+            tensor = tensors[key]
+            if tuple(tensor.shape) != shape:
+                raise ValueError(
+                    f"{what}: tensor {key!r} has shape {tuple(tensor.shape)}, expected {shape}"
+                )
+            state[name] = tensor.detach().to(device=device, dtype=dtype).contiguous()
+        unexpected = sorted(
+            key
+            for key in tensors
+            if key.startswith(prefix)
+            and key[len(prefix) :] not in expected
+            and key[len(prefix) :] not in _DERIVED_BUFFERS
+        )
+        if unexpected:
+            raise ValueError(
+                f"{what}: unexpected tensors {unexpected[:8]} ({len(unexpected)} in all)"
+            )
+        model.load_state_dict(state, strict=True, assign=True)
+        model.requires_grad_(False)
+        return model.eval()
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return next(self.parameters()).dtype
+
+    # ---------------------------------------------------------- decoding
+
+    def _embed(self, codes: torch.Tensor) -> torch.Tensor:
+        """codes [B, T, Q] -> rows [B, T, C] (stateless per frame)."""
+        raise NotImplementedError
+
+    def _pre_stack(self) -> list[nn.Module]:
+        """Causal layers between the rows and the transformer (all take [B, C, L])."""
+        return []
+
+    def _conv_stack(self) -> list[nn.Module]:
+        """The layers after the transformer, in order (all take [B, C, L])."""
+        return [layer for blocks in self.upsample for layer in blocks] + list(self.decoder)
+
+    def _check_codes(self, codes: torch.Tensor, what: str) -> torch.Tensor:
+        if codes.dim() != 2 or codes.shape[1] != self.num_quantizers or codes.shape[0] < 1:
+            raise ValueError(
+                f"code2wav: {what} expects codes [frames >= 1, {self.num_quantizers}], "
+                f"got {tuple(codes.shape)}"
+            )
+        if codes.dtype.is_floating_point or codes.dtype == torch.bool:
+            raise ValueError(f"code2wav: codes must be integers, got {codes.dtype}")
+        codes = codes.to(torch.long)
+        if int(codes.min()) < 0 or int(codes.max()) >= self.codebook_size:
+            raise ValueError(f"code2wav: codes must lie in [0, {self.codebook_size})")
+        return codes
+
+    def decode(self, codes: torch.Tensor) -> torch.Tensor:
+        """codes int [T, Q] -> float32 [T * samples_per_frame - tail_samples], in [-1, 1]."""
+        codes = self._check_codes(codes, "decode").to(self.device)
+        with torch.inference_mode():
+            h = self._embed(codes[None]).transpose(1, 2)
+            for layer in self._pre_stack():
+                h = layer(h)
+            h = self.pre_transformer(h.transpose(1, 2)).permute(0, 2, 1)
+            for layer in self._conv_stack():
+                h = layer(h)
+            return h.clamp(min=-1, max=1)[0, 0].to("cpu", torch.float32)
+
+    def forward(self, codes: torch.Tensor) -> torch.Tensor:
+        return self.decode(codes)
+
+    def new_stream(self) -> Code2WavStream:
+        return Code2WavStream(self)
+
+
+class Code2Wav(CodecDecoder):
     """Qwen3-Omni Code2Wav; parameter names match the released ``code2wav.*`` tensors."""
 
     def __init__(self, config: Code2WavConfig) -> None:
@@ -109,69 +246,11 @@ class Code2Wav(nn.Module):
             + [SnakeBeta(dims[-1]), CausalConv1d(dims[-1], 1, 7)]
         )
         self.code_offset = torch.arange(cfg.num_quantizers, device="cpu") * cfg.codebook_size
-
-        self.num_quantizers = cfg.num_quantizers
-        self.codebook_size = cfg.codebook_size
-        self.sample_rate = SAMPLE_RATE
-        self.samples_per_frame = math.prod(cfg.upsampling_ratios) * math.prod(cfg.upsample_rates)
-        # Each transposed conv loses (kernel - stride) samples at its own rate.
-        tail, scale = 0, 1
-        for layer in reversed([m for m in self.modules() if isinstance(m, CausalTransConv1d)]):
-            tail += layer.trim * scale
-            scale *= layer.stride
-        self.tail_samples = tail
-
-    # ---------------------------------------------------------- loading
-
-    @staticmethod
-    def expected_shapes(config: Mapping[str, Any]) -> dict[str, tuple[int, ...]]:
-        """Released tensor names (without prefix) -> shapes for this config."""
-        with torch.device("meta"):
-            model = Code2Wav(Code2WavConfig.from_dict(config))
-        return {name: tuple(t.shape) for name, t in model.state_dict().items()}
+        self._setup(cfg.num_quantizers, cfg.codebook_size, cfg.upsampling_ratios, cfg.upsample_rates)
 
     @classmethod
-    def from_config_and_tensors(
-        cls,
-        config: Mapping[str, Any],
-        tensors: Mapping[str, torch.Tensor],
-        prefix: str = "code2wav.",
-        *,
-        device: str | torch.device = "cpu",
-        dtype: torch.dtype = torch.float32,
-    ) -> Code2Wav:
-        """Build from a ``code2wav_config`` dict and checkpoint tensors, its
-        weights on `device` in `dtype` (derived buffers -- rotary
-        frequencies, code offsets -- stay float32)."""
-        cfg = Code2WavConfig.from_dict(config)
-        with torch.device("meta"):
-            model = cls(cfg)
-        expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-        state: dict[str, torch.Tensor] = {}
-        for name, shape in expected.items():
-            key = prefix + name
-            if key not in tensors:
-                raise ValueError(f"code2wav: missing tensor {key!r} (expected shape {shape})")
-            tensor = tensors[key]
-            if tuple(tensor.shape) != shape:
-                raise ValueError(
-                    f"code2wav: tensor {key!r} has shape {tuple(tensor.shape)}, expected {shape}"
-                )
-            state[name] = tensor.detach().to(device=device, dtype=dtype).contiguous()
-        unexpected = sorted(
-            key
-            for key in tensors
-            if key.startswith(prefix)
-            and key[len(prefix) :] not in expected
-            and key[len(prefix) :] not in _DERIVED_BUFFERS
-        )
-        if unexpected:
-            raise ValueError(
-                f"code2wav: unexpected tensors {unexpected[:8]} ({len(unexpected)} in all)"
-            )
-        model.load_state_dict(state, strict=True, assign=True)
-        model.requires_grad_(False)
-        return model.eval()
+    def _from_config(cls, config: Mapping[str, Any]) -> Code2Wav:
+        return cls(Code2WavConfig.from_dict(config))
 
     @property
     def device(self) -> torch.device:
@@ -181,53 +260,21 @@ class Code2Wav(nn.Module):
     def dtype(self) -> torch.dtype:
         return self.code_embedding.weight.dtype
 
-    # ---------------------------------------------------------- decoding
-
-    def _conv_stack(self) -> list[nn.Module]:
-        """The layers after the transformer, in order (all take [B, C, L])."""
-        return [layer for blocks in self.upsample for layer in blocks] + list(self.decoder)
-
-    def _check_codes(self, codes: torch.Tensor, what: str) -> torch.Tensor:
-        if codes.dim() != 2 or codes.shape[1] != self.num_quantizers or codes.shape[0] < 1:
-            raise ValueError(
-                f"code2wav: {what} expects codes [frames >= 1, {self.num_quantizers}], "
-                f"got {tuple(codes.shape)}"
-            )
-        if codes.dtype.is_floating_point or codes.dtype == torch.bool:
-            raise ValueError(f"code2wav: codes must be integers, got {codes.dtype}")
-        codes = codes.to(torch.long)
-        if int(codes.min()) < 0 or int(codes.max()) >= self.codebook_size:
-            raise ValueError(f"code2wav: codes must lie in [0, {self.codebook_size})")
-        return codes
-
     def _embed(self, codes: torch.Tensor) -> torch.Tensor:
-        """codes [T, Q] -> [1, T, hidden]: mean over quantizers of the offset embeddings."""
-        ids = codes.t() + self.code_offset.to(codes.device)[:, None]  # [Q, T]
-        return self.code_embedding(ids.unsqueeze(0)).mean(1)
-
-    def decode(self, codes: torch.Tensor) -> torch.Tensor:
-        """codes int [T, Q] -> float32 [T * samples_per_frame - tail_samples], in [-1, 1]."""
-        codes = self._check_codes(codes, "decode").to(self.device)
-        with torch.inference_mode():
-            h = self.pre_transformer(self._embed(codes)).permute(0, 2, 1)
-            for layer in self._conv_stack():
-                h = layer(h)
-            return h.clamp(min=-1, max=1)[0, 0].to("cpu", torch.float32)
-
-    def forward(self, codes: torch.Tensor) -> torch.Tensor:
-        return self.decode(codes)
-
-    def new_stream(self) -> Code2WavStream:
-        return Code2WavStream(self)
+        """codes [B, T, Q] -> [B, T, hidden]: mean over quantizers of the offset embeddings."""
+        ids = codes.transpose(1, 2) + self.code_offset.to(codes.device)[None, :, None]  # [B, Q, T]
+        return self.code_embedding(ids).mean(1)
 
 
 class Code2WavStream:
     """Incremental decode: ``push`` new frames, get the samples that became final."""
 
-    def __init__(self, model: Code2Wav) -> None:
+    def __init__(self, model: CodecDecoder) -> None:
         self.model = model
         self.frames = 0
         self.samples = 0
+        pre = model._pre_stack()
+        self._pre = _ChainStream([layer.new_stream() for layer in pre]) if pre else None
         self._transformer = model.pre_transformer.new_stream()
         self._convs = _ChainStream([layer.new_stream() for layer in model._conv_stack()])
 
@@ -236,7 +283,10 @@ class Code2WavStream:
         model = self.model
         codes = model._check_codes(codes, "push").to(model.device)
         with torch.inference_mode():
-            h = self._transformer.push(model._embed(codes)).permute(0, 2, 1)
+            h = model._embed(codes[None])
+            if self._pre is not None:
+                h = self._pre.push(h.transpose(1, 2)).transpose(1, 2)
+            h = self._transformer.push(h).permute(0, 2, 1)
             wav = self._convs.push(h).clamp(min=-1, max=1)[0, 0].to("cpu", torch.float32)
         self.frames += codes.shape[0]
         self.samples += wav.shape[0]
@@ -249,7 +299,7 @@ class Code2WavStream:
 
 
 def decode_with_left_context(
-    model: Code2Wav, codes: torch.Tensor, chunk: int, left_context: int
+    model: CodecDecoder, codes: torch.Tensor, chunk: int, left_context: int
 ) -> torch.Tensor:
     """Gapless chunked re-decode: each chunk is decoded again with earlier frames as context.
 

@@ -76,8 +76,10 @@ def push_many(streams: Sequence[Code2WavStream], codes: Sequence[torch.Tensor]) 
         padded[i, : c.shape[0]] = c
     padded = padded.to(model.device)
     with torch.inference_mode():
-        ids = padded.transpose(1, 2) + model.code_offset.to(padded.device)[None, :, None]  # [B, Q, T]
-        h = model.code_embedding(ids).mean(1)  # [B, T, hidden]
+        h = model._embed(padded)  # [B, T, C]
+        if streams[0]._pre is not None:  # convolutions before the transformer (Qwen3-TTS's pre_conv)
+            h, _ = _push([s._pre for s in streams], h.transpose(1, 2), lengths)
+            h = h.transpose(1, 2)
         h = _transformer([s._transformer for s in streams], h, lengths).permute(0, 2, 1)
         h, out = _push([s._convs for s in streams], h, lengths)
         wav = h.clamp(min=-1, max=1).to("cpu", torch.float32)  # the audio's one device-to-host copy
@@ -151,10 +153,10 @@ def _causal_trans_conv(
     """As ``_CausalTransConvStream.push`` per row. With a history of `keep`
     inputs (zeros before the first push: a zero input adds nothing to any
     output), row i's window starts at input ``inputs_i - keep``; its outputs
-    are [max(trim, inputs_i * s), (inputs_i + n_i) * s) in the untrimmed
+    are [max(left, inputs_i * s), (inputs_i + n_i) * s) in the untrimmed
     coordinates of its whole sequence."""
     layer = streams[0].layer
-    conv, s, trim, keep = layer.conv, layer.stride, layer.trim, streams[0].keep
+    conv, s, left, keep = layer.conv, layer.stride, layer.left, streams[0].keep
     window = torch.cat([_history(streams, x, keep), x], dim=-1) if keep else x
     y = conv(window)
     spans = []
@@ -164,7 +166,7 @@ def _causal_trans_conv(
         if keep:
             st.history = window[i : i + 1, :, n : n + keep].clone()
         base = (prev - keep) * s  # untrimmed position of y[i, :, 0]
-        lo, hi = max(trim, prev * s) - base, (prev + n) * s - base
+        lo, hi = max(left, prev * s) - base, (prev + n) * s - base
         spans.append((lo, max(lo, hi)))
     out = [hi - lo for lo, hi in spans]
     width = max(out)
@@ -207,6 +209,7 @@ class _BatchCache:
 def _transformer(streams: list[_TransformerStream], x: torch.Tensor, lengths: list[int]) -> torch.Tensor:
     """``_TransformerStream.push`` per row: x [B, N, hidden] right-padded."""
     model = streams[0].model
+    x = model.input_proj(x)
     n = x.shape[1]
     starts = torch.tensor([s.position for s in streams], device=x.device)
     positions = starts[:, None] + torch.arange(n, device=x.device)[None, :]  # [B, N]
@@ -229,4 +232,4 @@ def _transformer(streams: list[_TransformerStream], x: torch.Tensor, lengths: li
         x = layer(x, cos, sin, mask, cache)
     for s, length in zip(streams, lengths, strict=True):
         s.position += length
-    return model.norm(x)
+    return model.output_proj(model.norm(x))

@@ -180,25 +180,31 @@ class _CausalConvStream:
 
 
 class CausalTransConv1d(nn.Module):
-    """Transposed conv trimmed by ``kernel - stride`` samples on both sides.
+    """Transposed conv trimmed by ``kernel - stride`` samples on both sides
+    (Qwen3-Omni's Code2Wav), or on the right only (``trim_left=False``:
+    Qwen3-TTS's 12 Hz decoder).
 
-    Output sample j depends on input samples up to ``(j + kernel - stride) // stride``
-    (one ahead of its own for kernel 2 * stride); L inputs give
-    ``L * stride - (kernel - stride)`` outputs.
+    Trimmed on both sides, output sample j depends on input samples up to
+    ``(j + kernel - stride) // stride`` (one ahead of its own for kernel
+    2 * stride) and L inputs give ``L * stride - (kernel - stride)`` outputs;
+    trimmed on the right only, output j depends on inputs up to
+    ``j // stride`` and L inputs give ``L * stride`` outputs.
     """
 
-    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int) -> None:
+    def __init__(self, in_channels: int, out_channels: int, kernel_size: int, stride: int,
+                 *, trim_left: bool = True) -> None:
         super().__init__()
         if kernel_size < stride:
             raise ValueError("code2wav: transposed conv kernel must be >= its stride")
         self.conv = nn.ConvTranspose1d(in_channels, out_channels, kernel_size, stride=stride)
         self.kernel_size = kernel_size
         self.stride = stride
-        self.trim = kernel_size - stride
+        self.trim = kernel_size - stride  # removed on the right; on the left too unless trim_left is False
+        self.left = self.trim if trim_left else 0
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.conv(x)
-        return y[..., self.trim : y.shape[-1] - self.trim].contiguous()
+        return y[..., self.left : y.shape[-1] - self.trim].contiguous()
 
     def new_stream(self) -> _Stream:
         return _CausalTransConvStream(self)
@@ -209,7 +215,7 @@ class _CausalTransConvStream:
 
     In untrimmed output coordinates, input i contributes to [i*s, i*s + k), so
     after N inputs the outputs t < N*s are final; the reference keeps
-    t in [trim, L*s), so exactly those are emitted, each computed once.
+    t in [left, L*s), so exactly those are emitted, each computed once.
     """
 
     def __init__(self, layer: CausalTransConv1d) -> None:
@@ -219,7 +225,7 @@ class _CausalTransConvStream:
         self.inputs = 0
 
     def push(self, x: torch.Tensor) -> torch.Tensor:
-        conv, s, trim = self.layer.conv, self.layer.stride, self.layer.trim
+        conv, s, left = self.layer.conv, self.layer.stride, self.layer.left
         prev = self.inputs
         self.inputs += x.shape[-1]
         if x.shape[-1] == 0:
@@ -228,7 +234,7 @@ class _CausalTransConvStream:
         first = prev - (window.shape[-1] - x.shape[-1])  # input index of window[..., 0]
         if self.keep:
             self.history = window[..., -self.keep :].clone()
-        lo = max(trim, prev * s) - first * s
+        lo = max(left, prev * s) - first * s
         hi = self.inputs * s - first * s
         if hi <= lo:
             return x.new_zeros(x.shape[0], conv.out_channels, 0)
@@ -304,10 +310,10 @@ class _ResidualStream:
 class DecoderBlock(nn.Module):
     """SnakeBeta, causal transposed conv (kernel 2r, stride r), residual units 1/3/9."""
 
-    def __init__(self, in_dim: int, out_dim: int, rate: int) -> None:
+    def __init__(self, in_dim: int, out_dim: int, rate: int, *, trim_left: bool = True) -> None:
         super().__init__()
         self.block = nn.ModuleList(
-            [SnakeBeta(in_dim), CausalTransConv1d(in_dim, out_dim, 2 * rate, rate)]
+            [SnakeBeta(in_dim), CausalTransConv1d(in_dim, out_dim, 2 * rate, rate, trim_left=trim_left)]
             + [ResidualUnit(out_dim, d) for d in (1, 3, 9)]
         )
 
@@ -440,12 +446,20 @@ class TransformerLayer(nn.Module):
 
 
 class Transformer(nn.Module):
-    """Sliding-window causal transformer: query p attends to keys (p - window, p]."""
+    """Sliding-window causal transformer: query p attends to keys (p - window, p].
 
-    def __init__(self, cfg: Code2WavConfig) -> None:
+    With ``io_size`` (Qwen3-TTS's decoder) it reads and writes rows of that
+    width through ``input_proj`` / ``output_proj`` (linear, per row)."""
+
+    def __init__(self, cfg: Code2WavConfig, io_size: int | None = None) -> None:
         super().__init__()
         self.layers = nn.ModuleList([TransformerLayer(cfg) for _ in range(cfg.num_hidden_layers)])
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.input_proj: nn.Module = nn.Identity()
+        self.output_proj: nn.Module = nn.Identity()
+        if io_size is not None:
+            self.input_proj = nn.Linear(io_size, cfg.hidden_size)
+            self.output_proj = nn.Linear(cfg.hidden_size, io_size)
         self.window = cfg.sliding_window
         arange = torch.arange(0, cfg.head_dim, 2, dtype=torch.float, device="cpu")
         self.inv_freq = 1.0 / (cfg.rope_theta ** (arange / cfg.head_dim))
@@ -464,6 +478,7 @@ class Transformer(nn.Module):
         return (k <= q) & (k > q - self.window)
 
     def run(self, x: torch.Tensor, start: int, caches: Sequence[_KVCache] | None) -> torch.Tensor:
+        x = self.input_proj(x)
         n = x.shape[1]
         cos, sin = self.rope(start, n, x)
         cached = 0
@@ -472,7 +487,7 @@ class Transformer(nn.Module):
         mask = self.mask(start, n, cached, x.device)
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, mask, None if caches is None else caches[i])
-        return self.norm(x)
+        return self.output_proj(self.norm(x))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.run(x, 0, None)

@@ -14,7 +14,10 @@ frame with static shapes):
   (``model.codec_embedding.{g}.weight``, ``model.layers.{i}.*``,
   ``model.norm.weight``, ``lm_head.{g}.weight``) and fused at load: q/k/v
   into one ``qkv`` matrix, gate/up into ``gate_up``, the G-1 embedding tables
-  and heads stacked.
+  and heads stacked. One implementation serves both families' layouts:
+  Qwen3-TTS's embedding tables are at the talker's width (``input_size`` in
+  the config given), wider than the predictor at 1.7B, where every input row
+  goes through ``small_to_mtp_projection`` (weight and bias) first.
 - The batch is padded to a bucket (a multiple of :func:`row_tile`, at most
   ``max_bucket`` rows; larger batches run in chunks), except a batch of one
   on CPU without ``batch_invariant`` (below). The KV cache is one
@@ -229,12 +232,20 @@ class CodePredictor(nn.Module):
         self.vocab_size = int(config["vocab_size"])
         self.num_groups = int(config["num_code_groups"])
         self.hidden_size, self.heads, self.kv_heads, self.head_dim = hidden, heads, kv, head_dim
+        # the talker's width, where its inputs come from (Qwen3-TTS: wider than the predictor's
+        # own, and projected by ``small_to_mtp_projection``); Qwen3-Omni: the same width
+        self.input_size = int(config.get("input_size") or hidden)
         self.intermediate_size = int(config["intermediate_size"])
         self.max_bucket = int(max_bucket)
         self.use_compile = bool(compile)
         self.cuda_graphs = bool(cuda_graphs)
         g1 = self.num_groups - 1
-        self.codec_embedding = nn.Parameter(torch.zeros(g1, self.vocab_size, hidden), requires_grad=False)
+        self.codec_embedding = nn.Parameter(torch.zeros(g1, self.vocab_size, self.input_size), requires_grad=False)
+        self.in_proj: nn.Parameter | None = None
+        self.in_proj_bias: nn.Parameter | None = None
+        if self.input_size != hidden:
+            self.in_proj = nn.Parameter(torch.zeros(hidden, self.input_size), requires_grad=False)
+            self.in_proj_bias = nn.Parameter(torch.zeros(hidden), requires_grad=False)
         self.lm_head = nn.Parameter(torch.zeros(g1, self.vocab_size, hidden), requires_grad=False)
         self.norm = nn.Parameter(torch.ones(hidden), requires_grad=False)
         self.layers = nn.ModuleList(
@@ -263,9 +274,12 @@ class CodePredictor(nn.Module):
         hid, d, h, kv, inter = self.hidden_size, self.head_dim, self.heads, self.kv_heads, self.intermediate_size
         out: dict[str, tuple[int, ...]] = {}
         for g in range(self.num_groups - 1):
-            out[f"model.codec_embedding.{g}.weight"] = (self.vocab_size, hid)
+            out[f"model.codec_embedding.{g}.weight"] = (self.vocab_size, self.input_size)
             out[f"lm_head.{g}.weight"] = (self.vocab_size, hid)
         out["model.norm.weight"] = (hid,)
+        if self.in_proj is not None:
+            out["small_to_mtp_projection.weight"] = (hid, self.input_size)
+            out["small_to_mtp_projection.bias"] = (hid,)
         for i in range(len(self.layers)):
             p = f"model.layers.{i}."
             out.update({
@@ -295,6 +309,9 @@ class CodePredictor(nn.Module):
                 self.codec_embedding[g].copy_(w[f"model.codec_embedding.{g}.weight"])
                 self.lm_head[g].copy_(w[f"lm_head.{g}.weight"])
             self.norm.copy_(w["model.norm.weight"])
+            if self.in_proj is not None and self.in_proj_bias is not None:
+                self.in_proj.copy_(w["small_to_mtp_projection.weight"])
+                self.in_proj_bias.copy_(w["small_to_mtp_projection.bias"])
             for i, layer in enumerate(self.layers):
                 p = f"model.layers.{i}."
                 layer.qkv.copy_(torch.cat([w[p + f"self_attn.{x}_proj.weight"].to(layer.qkv.device)
@@ -317,6 +334,8 @@ class CodePredictor(nn.Module):
         hid, d, h, kv = self.hidden_size, self.head_dim, self.heads, self.kv_heads
         shapes = [(hid, (h + 2 * kv) * d), (h * d, hid), (hid, 2 * self.intermediate_size),
                   (self.intermediate_size, hid), (hid, self.vocab_size)]
+        if self.in_proj is not None:
+            shapes.append((self.input_size, hid))
         # the first pass has 2 rows a request
         tile = row_tile(sorted(set(shapes)), 2 * self.max_bucket, self.codec_embedding.dtype)
         return tile if self.max_bucket % tile == 0 else self.max_bucket
@@ -341,17 +360,19 @@ class CodePredictor(nn.Module):
     # -- the frame ---------------------------------------------------------------------
     def _frame(self, x: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                seed: torch.Tensor, frame: torch.Tensor, candidates: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The 15 passes of one frame, static shapes: x [b, 2, H] (last hidden,
-        code-0 embedding), sampling [b] (seed [b, 2]). Returns codes [b, G-1]
-        and the sum of their embeddings [b, H]."""
-        b, _, hidden = x.shape
+        """The 15 passes of one frame, static shapes: x [b, 2, I] (last hidden,
+        code-0 embedding; I: ``input_size``), sampling [b] (seed [b, 2]).
+        Returns codes [b, G-1] and the sum of their embeddings [b, I]."""
+        b = x.shape[0]
+        hidden = self.hidden_size
         kv = self._kv_cache(b)
         qk_norms = [layer.qk_norm_weight() for layer in self.layers]
         sampler = plan(temperature, top_k, top_p, candidates, self.vocab_size) if candidates else None
         u = uniforms(seed, frame, self._groups) if candidates else None
         codes: list[torch.Tensor] = []
         embed_sum: torch.Tensor | None = None
-        h, t, pos = x.reshape(b * 2, hidden), 2, 0  # the first pass: both positions of each request
+        # the first pass: both positions of each request
+        h, t, pos = self._project(x.reshape(b * 2, self.input_size)), 2, 0
         for g in range(self.num_groups - 1):
             cos, sin = self._cos[pos : pos + t].to(h.dtype), self._sin[pos : pos + t].to(h.dtype)
             mask = self._mask if t > 1 else None
@@ -365,11 +386,16 @@ class CodePredictor(nn.Module):
             else:
                 code = draw(logits.float(), sampler, u[:, g])
             codes.append(code)
-            h = F.embedding(code, self.codec_embedding[g])
-            embed_sum = h if embed_sum is None else embed_sum + h
+            e = F.embedding(code, self.codec_embedding[g])
+            embed_sum = e if embed_sum is None else embed_sum + e
+            h = self._project(e)
             t = 1
         assert embed_sum is not None
         return torch.stack(codes, dim=1), embed_sum
+
+    def _project(self, x: torch.Tensor) -> torch.Tensor:
+        """Inputs at the talker's width to the predictor's (``small_to_mtp_projection``; none when equal)."""
+        return x if self.in_proj is None else F.linear(x, self.in_proj, self.in_proj_bias)
 
     def _graphed(self, device: torch.device) -> bool:
         """Whether frames on ``device`` replay captured CUDA graphs."""
@@ -399,16 +425,17 @@ class CodePredictor(nn.Module):
     @torch.inference_mode()
     def predict(self, last_hidden: torch.Tensor, code0_embed: torch.Tensor,
                 sampling: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor]:
-        """last_hidden, code0_embed: [n, H]; sampling: n rows. Returns (codes
-        [n, G-1] int64, the sum of the residual codes' embeddings [n, H]) --
-        the talker adds that sum to the next step's input."""
+        """last_hidden, code0_embed: [n, I] (the talker's width, ``input_size``);
+        sampling: n rows. Returns (codes [n, G-1] int64, the sum of the
+        residual codes' embeddings [n, I]) -- the talker adds that sum to the
+        next step's input."""
         n = last_hidden.shape[0]
         if len(sampling) != n:
             raise ValueError(f"sampling: {len(sampling)} rows for {n} hidden rows")
         dtype = self.codec_embedding.dtype
         if n == 0:
             return (torch.empty((0, self.num_groups - 1), dtype=torch.int64, device=last_hidden.device),
-                    torch.empty((0, self.hidden_size), dtype=dtype, device=last_hidden.device))
+                    torch.empty((0, self.input_size), dtype=dtype, device=last_hidden.device))
         x = torch.stack((last_hidden.to(dtype), code0_embed.to(dtype)), dim=1)
         if n <= self.max_bucket:
             return self._run_bucket(x, sampling, 0, n)

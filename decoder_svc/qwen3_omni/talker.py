@@ -151,6 +151,7 @@ def _build_classes():
         ParallelLMHead,
         VocabParallelEmbedding,
     )
+    from vllm.model_executor.models.qwen2 import Qwen2MLP
     from vllm.model_executor.models.qwen2_moe import Qwen2MoeSparseMoeBlock
     from vllm.model_executor.models.qwen3_moe import Qwen3MoeAttention
     from vllm.model_executor.models.utils import (
@@ -176,7 +177,11 @@ def _build_classes():
                 quant_config=quant_config,
                 prefix=f"{prefix}.self_attn",
             )
-            self.mlp = Qwen2MoeSparseMoeBlock(config=config, quant_config=quant_config, prefix=f"{prefix}.mlp")
+            if config.omni_talker.get("dense_mlp"):  # Qwen3-TTS
+                self.mlp = Qwen2MLP(config.hidden_size, config.intermediate_size, config.hidden_act,
+                                    quant_config=quant_config, prefix=f"{prefix}.mlp")
+            else:
+                self.mlp = Qwen2MoeSparseMoeBlock(config=config, quant_config=quant_config, prefix=f"{prefix}.mlp")
             self.input_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
             self.post_attention_layernorm = RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
@@ -222,6 +227,8 @@ def _build_classes():
                 ".v_proj": (".qkv_proj", "v"),
                 ".shared_expert.gate_proj": (".shared_expert.gate_up_proj", 0),
                 ".shared_expert.up_proj": (".shared_expert.gate_up_proj", 1),
+                ".mlp.gate_proj": (".mlp.gate_up_proj", 0),  # a dense MLP (Qwen3-TTS)
+                ".mlp.up_proj": (".mlp.gate_up_proj", 1),
             },
         )
         packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj", "up_proj"]}
@@ -236,9 +243,16 @@ def _build_classes():
             self.model = TalkerModel(vllm_config=vllm_config, prefix=maybe_prefix(prefix, "model"))
             self.codec_head = ParallelLMHead(config.vocab_size, config.hidden_size, prefix=maybe_prefix(prefix, "codec_head"))
             self.logits_processor = LogitsProcessor(config.vocab_size)
-            th = int(extra["thinker_hidden_size"])
-            self.text_projection = _ResizeMLP(th, config.intermediate_size, config.hidden_size)
-            self.hidden_projection = _ResizeMLP(th, config.intermediate_size, config.hidden_size)
+            # text rows into the talker: Qwen3-Omni projects the thinker's embeddings and hidden
+            # states (thinker width -> intermediate -> hidden); Qwen3-TTS its own text embeddings
+            # (``text_projection``: [in, mid])
+            text_in, text_mid = extra.get("text_projection") or (int(extra["thinker_hidden_size"]),
+                                                                  config.intermediate_size)
+            self.text_projection = _ResizeMLP(int(text_in), int(text_mid), config.hidden_size)
+            self.hidden_projection = None
+            if extra.get("thinker_hidden_size"):
+                th = int(extra["thinker_hidden_size"])
+                self.hidden_projection = _ResizeMLP(th, config.intermediate_size, config.hidden_size)
             self.code_predictor = CodePredictor(extra["code_predictor_config"])
             suppress = torch.zeros(config.vocab_size, dtype=torch.bool)
             suppress[max(0, config.vocab_size - NUM_SUPPRESSED) :] = True
@@ -325,12 +339,14 @@ def _build_classes():
         def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> set[str]:
             cp_prefix = "talker.code_predictor."
             cp: dict[str, torch.Tensor] = {}
+            # Qwen3-TTS's text embedding table: read by the prompts on the host (its backend), not here
+            host_side = "talker.model.text_embedding."
 
             def talker_weights():
                 for name, w in weights:
                     if name.startswith(cp_prefix):
                         cp[name] = w
-                    elif name.startswith("talker."):
+                    elif name.startswith("talker.") and not name.startswith(host_side):
                         yield name, w
 
             loader = AutoWeightsLoader(self)
