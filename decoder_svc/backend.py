@@ -39,6 +39,8 @@ class RequestSpec:
     # Style instructions for the model's prompt (a system turn); only where
     # the deployment takes them (DeploymentSettings.supports_instructions).
     instructions: str = ""
+    # The language to speak (a text-to-speech model's; "" or "auto": the model's own choice).
+    language: str = ""
     # A conversation instead of one prompt: (role, content) turns, each
     # through the model's chat template (``prompt`` is then the last user
     # turn's text, for engines without a template); a turn's content is its

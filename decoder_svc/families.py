@@ -30,8 +30,9 @@ module may need torch and vLLM):
 ``decoder_svc.testing``); ``--engine vllm`` takes the family whose
 architectures the checkpoint's ``config.json`` names. With no model given,
 or a checkpoint no family claims (or whose ``config.json`` cannot be read),
-the default family takes it: its checks say what is wrong. The next family
-(Qwen3-TTS is planned) is one more entry here, and its package.
+the default family takes it: its checks say what is wrong. Each family is
+one entry here, and its package (``decoder_svc.qwen3_omni``,
+``decoder_svc.qwen3_tts``).
 
 Cheap to import: nothing here imports torch, vLLM or a family's module.
 """
@@ -90,6 +91,13 @@ FAMILIES: dict[str, Family] = {
             "qwen3_omni",
             "decoder_svc.qwen3_omni.family",
             architectures=("Qwen3OmniMoeForConditionalGeneration",),
+            vllm_models={"OmniServingQwen3OmniTalker": "decoder_svc.qwen3_omni.talker:talker_model_class"},
+        ),
+        Family(
+            "qwen3_tts",
+            "decoder_svc.qwen3_tts.family",
+            architectures=("Qwen3TTSForConditionalGeneration",),
+            # the same talker model class as Qwen3-Omni's (a dense MLP, its own text projection)
             vllm_models={"OmniServingQwen3OmniTalker": "decoder_svc.qwen3_omni.talker:talker_model_class"},
         ),
         Family("fake", "decoder_svc.testing.fake_family"),

@@ -275,6 +275,22 @@ class TalkerBackend(VLLMBackend):
         **kwargs: Any,
     ) -> None:
         self.checkpoint = checkpoint
+        self._read_checkpoint(checkpoint)
+        self.sampling.update(sampling or {})
+        self._embed_table: torch.Tensor | None = None
+        self._model: Any = None
+        # requests started from part of the thinker's reply, until it ends
+        self._builders: dict[str, TalkerPromptBuilder] = {}
+        self._build_lock = threading.Lock()
+        kwargs.setdefault("pooling_engine", "off")
+        kwargs.setdefault("capture_hidden", False)
+        kwargs["enable_prompt_embeds"] = True
+        super().__init__(checkpoint.path, role="talker", **kwargs)
+        self.stop_token_ids = [self.ids_codec_eos]
+
+    def _read_checkpoint(self, checkpoint: Any) -> None:
+        """What the family's prompts and sampling need from the checkpoint:
+        ``ids``, ``speakers``, ``end_ids`` and the default ``sampling``."""
         self.ids = TalkerIds.from_config(checkpoint.config)
         self.speakers = {
             str(k).lower(): int(v) for k, v in checkpoint.talker_config["speaker_id"].items()
@@ -290,17 +306,6 @@ class TalkerBackend(VLLMBackend):
             "code_predictor_top_p": float(gen.get("code_predictor_top_p", 0.8)),
             "code_predictor_temperature": float(gen.get("code_predictor_temperature", 1.0)),
         }
-        self.sampling.update(sampling or {})
-        self._embed_table: torch.Tensor | None = None
-        self._model: Any = None
-        # requests started from part of the thinker's reply, until it ends
-        self._builders: dict[str, TalkerPromptBuilder] = {}
-        self._build_lock = threading.Lock()
-        kwargs.setdefault("pooling_engine", "off")
-        kwargs.setdefault("capture_hidden", False)
-        kwargs["enable_prompt_embeds"] = True
-        super().__init__(checkpoint.path, role="talker", **kwargs)
-        self.stop_token_ids = [self.ids_codec_eos]
 
     @property
     def sampling_defaults(self) -> tuple[float, float, int]:
@@ -339,6 +344,10 @@ class TalkerBackend(VLLMBackend):
         runner = get_model_runner(self.engine)
         self._model = runner.model
         self._model.bind_runner(runner)
+        self._load_host_tables()
+
+    def _load_host_tables(self) -> None:
+        """Tables the prompts read on the host, loaded once at startup."""
         self._thinker_embed_table()
 
     def _load_tokenizer(self):

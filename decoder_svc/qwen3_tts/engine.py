@@ -1,0 +1,210 @@
+"""A Qwen3-TTS checkpoint as the decoder's engine: the talker's backend, the vocoder, the prompts.
+
+Served on the ``tts`` profile (talker -> code2wav): ``Speak`` speaks the
+given text in the request's voice. A checkpoint's kind decides what a voice
+is (:class:`SpeechPrompts`):
+
+- ``custom_voice``: the model's built-in speakers (``voice``), each with an
+  optional style (``instructions``);
+- ``voice_design``: one voice, ``default``, described by the request's
+  ``instructions``;
+- ``base``: a voice cloned from a reference clip (its speaker embedding,
+  and with its transcript the clip's codes in context).
+
+The vocoder is the speech tokenizer's decoder (:mod:`.speech_decoder`), in
+this process or in code2wav worker processes (``worker_spec``). Nothing is
+written into the checkpoint's directory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from decoder_svc.backend import RequestSpec
+from decoder_svc.engine_settings import EffectiveSettings, resolve
+from decoder_svc.profile import Profile
+from decoder_svc.qwen3_omni.code2wav_batch import push_many
+from decoder_svc.qwen3_omni.engine import vocoder_placement
+from decoder_svc.qwen3_omni.vocoder import _NumpyStream
+from omni_common.errors import InvalidArgumentError
+
+from .backend import INSTRUCT_IDS, TTSTalkerBackend
+from .checkpoint import TTSCheckpoint
+from .layout import head_dim
+from .prompt import assistant_text, instruct_text
+from .speech_decoder import SpeechDecoder
+
+log = logging.getLogger(__name__)
+
+__all__ = ["DESIGNED_VOICE", "SpeechPrompts", "SpeechVocoder", "TTSEngine", "build_engine", "build_stage_backend",
+           "stage_settings", "voices_of", "worker_spec"]
+
+DESIGNED_VOICE = "default"
+"""The one voice of voice_design and base models (described by instructions, or cloned per request)."""
+
+
+def voices_of(checkpoint: TTSCheckpoint) -> tuple[str, ...]:
+    """A request's voice names: the built-in speakers (custom_voice), else ``default``."""
+    return tuple(checkpoint.speakers) if checkpoint.kind == "custom_voice" else (DESIGNED_VOICE,)
+
+
+class SpeechPrompts:
+    """Requests' token ids through the checkpoint's tokenizer (no chat template: the turns are fixed)."""
+
+    def __init__(self, checkpoint: TTSCheckpoint, *, max_model_len: int = 0) -> None:
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(str(checkpoint.path))
+        self.kind = checkpoint.kind
+        self.max_model_len = max_model_len  # the talker's context (0: unknown yet)
+        self._lock = threading.Lock()  # fast tokenizers are not re-entrant
+
+    def tokens(self, text: str) -> list[int]:
+        with self._lock:
+            return [int(t) for t in self.tokenizer(text, add_special_tokens=False)["input_ids"]]
+
+    def prepare(self, spec: RequestSpec) -> RequestSpec:
+        if not spec.prompt.strip():
+            raise InvalidArgumentError("text", "has no tokens to speak")
+        ids = self.tokens(assistant_text(spec.prompt))
+        cond = dict(spec.conditioning or {})
+        if spec.instructions:
+            if self.kind == "base":
+                raise InvalidArgumentError("instructions", "a voice-clone model takes no instructions")
+            instruct = self.tokens(instruct_text(spec.instructions))
+            cond[INSTRUCT_IDS] = torch.tensor(instruct, dtype=torch.long)
+        n = len(ids) + (int(cond[INSTRUCT_IDS].numel()) if INSTRUCT_IDS in cond else 0)
+        if self.max_model_len and n + 16 >= self.max_model_len:
+            raise InvalidArgumentError("text", f"is {n} tokens with the instruction; the talker's context is "
+                                               f"{self.max_model_len}")
+        return dataclasses.replace(spec, prompt_token_ids=ids, reply_token_ids=[], conditioning=cond)
+
+
+class SpeechVocoder:
+    """The speech tokenizer's decoder behind the generation stage's streaming
+    interface (as ``decoder_svc.qwen3_omni.vocoder.CheckpointVocoder``), built
+    from the checkpoint directory alone (read only): what a code2wav worker
+    process rebuilds from ``worker_spec()``."""
+
+    def __init__(self, model_dir: str, voices: Sequence[str], checkpoint: TTSCheckpoint | None = None, *,
+                 device: str = "cpu", dtype: str = "float32") -> None:
+        if checkpoint is None:
+            checkpoint = TTSCheckpoint.open(model_dir)
+        self.model_dir = str(checkpoint.path)
+        self.device, self.dtype = str(device), str(dtype)
+        decoder_config = checkpoint.speech_config["decoder_config"]
+        self.model = SpeechDecoder.from_config_and_tensors(
+            decoder_config, checkpoint.speech_tensors("decoder."), prefix="decoder.", device=self.device,
+            dtype=getattr(torch, self.dtype))
+        self.voices = tuple(voices)
+        self.voice_aliases: dict[str, str] = {}
+        self.sample_rate = int(self.model.sample_rate)
+        self.num_codebooks = int(self.model.num_quantizers)
+        self.frames_per_second = self.sample_rate / int(self.model.samples_per_frame)
+        self.codebook_size = int(self.model.codebook_size)
+
+    def new_stream(self, voice: str) -> _NumpyStream:  # the voice is in the codes already
+        return _NumpyStream(self.model.new_stream())
+
+    def push_many(self, streams: Sequence[_NumpyStream], blocks: Sequence[np.ndarray]) -> list[np.ndarray]:
+        codes = [torch.from_numpy(np.ascontiguousarray(b, dtype=np.int64)) for b in blocks]
+        return [a.numpy() for a in push_many([s._stream for s in streams], codes)]
+
+    def worker_spec(self) -> tuple[str, dict[str, Any]]:
+        return worker_spec(self.model_dir, self.voices, device=self.device, dtype=self.dtype)
+
+
+def worker_spec(model_dir: str | Path, voices: Sequence[str], *, device: str = "cpu",
+                dtype: str = "float32") -> tuple[str, dict[str, Any]]:
+    """How a code2wav worker process rebuilds the vocoder (factory path, keyword arguments)."""
+    return ("decoder_svc.qwen3_tts.engine:SpeechVocoder",
+            {"model_dir": str(model_dir), "voices": [str(v) for v in voices], "device": device, "dtype": dtype})
+
+
+def stage_settings(checkpoint: TTSCheckpoint, stage: Any, *, platform: str | None = None, log_notes: bool = True,
+                   **given: Any) -> EffectiveSettings:
+    """The talker's engine settings on `checkpoint` (as ``qwen3_omni.engine.stage_settings``)."""
+    settings = dataclasses.replace(stage.engine, **{k: v for k, v in given.items() if v is not None})
+    talker = checkpoint.talker_config
+    dtype = talker.get("torch_dtype") or talker.get("dtype") or checkpoint.config.get("torch_dtype") \
+        or checkpoint.config.get("dtype") or "bfloat16"
+    if platform is None:
+        from decoder_svc.vllm_engine.engine_factory import engine_platform
+
+        platform = engine_platform()
+    kv = 2 * int(talker["num_hidden_layers"]) * int(talker["num_key_value_heads"]) * head_dim(talker)
+    eff = resolve(settings, stage=stage.name, platform=platform, checkpoint_dtype=str(dtype),
+                  checkpoint_context=int(talker.get("max_position_embeddings", 32768)), kv_elements_per_token=kv)
+    if log_notes:
+        for note in eff.notes:
+            log.info("stage %s: %s", stage.name, note)
+    return eff
+
+
+def build_stage_backend(checkpoint: TTSCheckpoint, stage: Any, *, max_num_seqs: int | None = None, seed: int = 0,
+                        max_model_len: int | None = None, **backend_kwargs: Any) -> TTSTalkerBackend:
+    """The talker's backend (its vLLM engine) on an opened checkpoint."""
+    role = stage.engine_role or stage.name
+    if role != "talker":
+        raise InvalidArgumentError(f"stages[{stage.stage_id}].engine_role",
+                                   f"a Qwen3-TTS model has a talker only, got {role!r}")
+    settings = stage_settings(checkpoint, stage, max_num_seqs=max_num_seqs, max_model_len=max_model_len)
+    return TTSTalkerBackend(
+        checkpoint, name=stage.name, seed=seed, async_scheduling=stage.async_scheduling,
+        enable_prefix_caching=stage.enable_prefix_caching, engine_settings=settings,
+        **{**stage.engine_args(), **backend_kwargs},
+    )
+
+
+@dataclass
+class TTSEngine:
+    checkpoint: TTSCheckpoint
+    backends: dict[str, Any]
+    vocoder: SpeechVocoder
+    prompts: SpeechPrompts
+
+    def prepare(self, spec: RequestSpec) -> RequestSpec:
+        return self.prompts.prepare(spec)
+
+    def close(self) -> None:
+        for b in self.backends.values():
+            b.close()
+
+
+def check_profile(profile: Profile) -> None:
+    """A Qwen3-TTS model speaks text: its profile's AR stages are one talker."""
+    roles = [s.engine_role or s.name for s in profile.ar_stages]
+    if roles != ["talker"]:
+        raise InvalidArgumentError("profile", f"a Qwen3-TTS model serves the tts profile (a talker, then code2wav); "
+                                              f"profile {profile.name!r} has AR stages {roles}")
+
+
+def make_vocoder(checkpoint: TTSCheckpoint, profile: Profile) -> SpeechVocoder:
+    device, dtype = vocoder_placement(profile, log_it=True)
+    return SpeechVocoder(str(checkpoint.path), voices_of(checkpoint), checkpoint=checkpoint, device=device,
+                         dtype=dtype)
+
+
+def build_engine(profile: Profile, checkpoint: TTSCheckpoint, *, max_num_seqs: int | None = None, seed: int = 0,
+                 max_model_len: int | None = None, **backend_kwargs: Any) -> TTSEngine:
+    """The talker's backend in this process, the vocoder and the prompts."""
+    check_profile(profile)
+    stage = profile.ar_stages[0]
+    backend = build_stage_backend(checkpoint, stage, max_num_seqs=max_num_seqs, seed=seed,
+                                  max_model_len=max_model_len, **backend_kwargs)
+    try:
+        vocoder = make_vocoder(checkpoint, profile)
+        prompts = SpeechPrompts(checkpoint, max_model_len=backend.max_model_len)
+    except BaseException:
+        backend.close()
+        raise
+    return TTSEngine(checkpoint, {stage.name: backend}, vocoder, prompts)
