@@ -41,6 +41,14 @@ class RequestSpec:
     instructions: str = ""
     # The language to speak (a text-to-speech model's; "" or "auto": the model's own choice).
     language: str = ""
+    # A voice to clone (a text-to-speech model's): a reference clip as sent
+    # (omni_common.media.AudioInput), and its transcript ("": the voice alone).
+    reference_audio: Any = None
+    reference_text: str = ""
+    # Codec frames [F, Q] the vocoder decodes before the request's own, whose
+    # audio is not sent: the context its first frames are decoded in (a
+    # cloned voice's reference clip, which the model continues).
+    audio_context: Any = None
     # A conversation instead of one prompt: (role, content) turns, each
     # through the model's chat template (``prompt`` is then the last user
     # turn's text, for engines without a template); a turn's content is its

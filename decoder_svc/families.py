@@ -12,15 +12,16 @@ module may need torch and vLLM):
   process of an engine;
 - its module, imported when the family is used, which provides:
 
-  - ``build_engine(profile, model, *, max_num_seqs, launch=None, code2wav_workers=0) ->
-    EngineParts``: open the model (``""``: the family's default) and build
+  - ``build_engine(profile, model, *, max_num_seqs, launch=None, code2wav_workers=0,
+    voice_dir="") -> EngineParts``: open the model (``""``: the family's default) and build
     the AR stages' backends in this process (``max_num_seqs``: None, or a
     caller's value over the stages' engine settings, ``StageConfig.engine``;
     ``code2wav_workers``: the decoder's code2wav worker processes, which a
-    memory plan counts), or, with ``launch``, start the
+    memory plan counts; ``voice_dir``: where a model that clones voices
+    keeps its voice registry, "" its default), or, with ``launch``, start the
     stage processes (``launch(checkpoint path)``, see
-    ``decoder_svc.stage.proxy``) and use them; plus the vocoder and the
-    request preparation. A model the family cannot serve raises
+    ``decoder_svc.stage.proxy``) and use them; plus the vocoder, the
+    request preparation and the voice registry (None where the model has none). A model the family cannot serve raises
     :class:`UnservableModel` (the message names the file and key);
   - ``build_stage_backend(spec) -> backend``: one AR stage's backend, in a
     stage process (``decoder_svc.stage.host``; ``spec`` is its
@@ -69,6 +70,7 @@ class EngineParts:
     backends: dict[str, Any]  # by AR stage name: backends, or stage processes
     vocoder: Any  # the generation stage's streaming vocoder
     prepare: Callable[[Any], Any] | None = None  # RequestSpec -> what the first stage takes
+    voices: Any = None  # the voice registry (decoder_svc.qwen3_tts.voices.VoiceStore), where the model clones voices
 
 
 @dataclass(frozen=True)

@@ -73,6 +73,10 @@ class EngineFacts:
     """Samples per second the first stage's audio tower reads (0: it reads no audio)."""
     image_input: bool = False
     """The first stage reads images (a vision tower and an image processor)."""
+    speech_instructions: bool = False
+    """The speaking stage takes style instructions (a text-to-speech model's voices)."""
+    languages: tuple[str, ...] = ()
+    """Languages a request may name (a text-to-speech model's), besides "auto"."""
 
 
 @dataclass(frozen=True)
@@ -124,6 +128,10 @@ class DeploymentSettings:
     """Image parts a request may carry (0: the deployment takes no image input)."""
     max_input_image_pixels: int = 0
     """Most pixels of an image part as sent."""
+    speech_instructions: bool = False
+    """A text spoken as written takes style instructions (EngineFacts.speech_instructions)."""
+    languages: tuple[str, ...] = ()
+    """EngineFacts.languages."""
 
     @property
     def has_text_stage(self) -> bool:
@@ -202,7 +210,9 @@ class DeploymentSettings:
             max_input_audio_seconds=audio_s,
             profile=profile,
             output_modalities=output_modalities,
-            supports_instructions=supports_instructions,
+            supports_instructions=supports_instructions or facts.speech_instructions,
+            speech_instructions=facts.speech_instructions,
+            languages=tuple(facts.languages),
             model=facts.model,
             frames_per_second=fps,
             default_audio_seconds=float(default_s),
@@ -311,6 +321,8 @@ def facts_of(backends: list, vocoder, *, model: str = "") -> EngineFacts:
         model=model or str(getattr(audio, "model_name", "") or "fake"),
         audio_input_rate=int(getattr(first, "audio_input_rate", 0) or 0),
         image_input=bool(getattr(first, "image_input", False)),
+        speech_instructions=bool(getattr(audio, "speech_instructions", False)),
+        languages=tuple(sorted(getattr(audio, "languages", ()) or ())),
     )
 
 
@@ -339,7 +351,7 @@ def check_request(spec, settings: DeploymentSettings) -> None:
             f"this deployment (profile {settings.profile}) does not take instructions: it has no "
             "text stage whose prompt could carry them",
         )
-    if spec.messages and not settings.supports_instructions:
+    if spec.messages and not settings.has_text_stage:
         raise InvalidArgumentError(
             "messages",
             f"this deployment (profile {settings.profile}) speaks its input as is: a conversation needs "

@@ -28,6 +28,7 @@ import dataclasses
 import logging
 import threading
 from collections.abc import Callable
+from typing import Any
 
 from decoder_svc import metrics
 from decoder_svc.backend import ARBackend, RequestSpec
@@ -90,6 +91,7 @@ class Pipeline:
         options: Options | None = None,
         code2wav_workers: int = 0,
         vocoder_spec: VocoderSpec | None = None,
+        voice_store: Any = None,
     ) -> None:
         """vocoder: the generation stage's streaming vocoder (``new_stream``,
         ``voices``, ``sample_rate``, ``num_codebooks``, ``codebook_size``):
@@ -105,7 +107,9 @@ class Pipeline:
         length and guard options; None = their defaults). code2wav_workers:
         0 runs code2wav on a thread here, N > 0 in N worker processes
         (decoder_svc.code2wav.pool) that rebuild the vocoder from
-        `vocoder_spec` (default: ``vocoder.worker_spec()``)."""
+        `vocoder_spec` (default: ``vocoder.worker_spec()``). voice_store: the
+        model's voice registry (``decoder_svc.qwen3_tts.voices.VoiceStore``),
+        whose voices a request may name beside the vocoder's; None: none."""
         self.profile = profile
         self.backends = backends
         self.arena = arena
@@ -121,6 +125,7 @@ class Pipeline:
         self.voices: tuple[str, ...] = tuple(vocoder.voices)
         # "default" and the family's aliases (omni_common.voices), each to one of the voices
         self.voice_aliases = voice_aliases(self.voices, getattr(vocoder, "voice_aliases", {}))
+        self.voice_store = voice_store
         self.sample_rate = int(vocoder.sample_rate)
         self._prepare = prepare
         self._roles = [s.engine_role or s.name for s in self.ar_configs]
@@ -273,7 +278,12 @@ class Pipeline:
 
     # -- requests ---------------------------------------------------------------
     def submit(self, spec: RequestSpec, sink: Sink) -> None:
-        voice = resolve_voice(spec.voice, self.voices, self.voice_aliases)
+        try:
+            voice = resolve_voice(spec.voice, self.voices, self.voice_aliases)
+        except InvalidArgumentError:
+            if self.voice_store is None or not self.voice_store.has(spec.voice):
+                raise
+            voice = spec.voice  # a registered voice
         if voice != spec.voice:
             spec = dataclasses.replace(spec, voice=voice)
         settings = self.settings

@@ -30,6 +30,7 @@ import torch
 
 from decoder_svc import metrics
 from decoder_svc.backend import ARBackend
+from decoder_svc.code2wav.core import context_frames
 from decoder_svc.code2wav.pool import Code2WavProcessPool
 from decoder_svc.code2wav.thread import Code2WavWorker
 from decoder_svc.lengths import LENGTH, REPETITION, STOP, RepetitionGuard
@@ -128,10 +129,13 @@ class Router:
                     codes = tensors["codec_codes"].numpy()
                     if local:  # queued for code2wav: the slot it views is reused
                         codes = codes.copy()
+                    sent = codes
                     if not ctx.first_chunk_frames:
                         ctx.first_chunk_frames = ctx.spec.first_chunk_frames or self._first_chunk()
                         metrics.FIRST_CHUNKS.labels(str(ctx.first_chunk_frames)).inc()
-                    self.code2wav.frames(rid, ctx.spec.voice, codes, ctx.first_chunk_frames)
+                        if ctx.spec.audio_context is not None:  # decoded first, its audio not sent
+                            sent = np.concatenate((context_frames(np.asarray(ctx.spec.audio_context)), codes))
+                    self.code2wav.frames(rid, ctx.spec.voice, sent, ctx.first_chunk_frames)
                     if ctx.guard is not None and self._loops(ctx.guard, codes):
                         self._end_looping(ctx, step.stage_id)
                         continue

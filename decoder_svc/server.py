@@ -65,8 +65,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="vllm (default: the model) or fake (a deterministic test double, not a model; "
                         "'reference' is its deprecated name)")
     p.add_argument("--model", default=os.environ.get("OMNI_MODEL", ""),
-                   help="a Qwen3-Omni-MoE checkpoint directory (vllm engine; read only); "
-                        "default: a tiny random-weight one, created in the model cache on first run")
+                   help="a Qwen3-Omni-MoE or Qwen3-TTS checkpoint directory (vllm engine; read only); "
+                        "default: a tiny random-weight Qwen3-Omni, created in the model cache on first run")
+    p.add_argument("--voice-dir", default=os.environ.get("OMNI_VOICE_DIR", ""),
+                   help="the voice registry's directory (a voice-clone model's registered voices; never inside "
+                        "the model's directory; several replicas may share it); default: voices/ in the model cache")
     p.add_argument("--arena-slots", type=int, default=int(os.environ.get("OMNI_ARENA_SLOTS", "16")),
                    help="shared-memory slots (max steps in flight to the materializer)")
     p.add_argument("--arena-slot-bytes", type=int, default=int(os.environ.get("OMNI_ARENA_SLOT_BYTES", str(4 * 2**20))),
@@ -288,7 +291,7 @@ def _launch_stage_processes(args: argparse.Namespace, profile, model: str) -> di
 
 
 def build_engine(args: argparse.Namespace, profile) -> tuple[dict, dict]:
-    """(backends by stage name, extra Pipeline arguments: vocoder, prepare).
+    """(backends by stage name, extra Pipeline arguments: vocoder, prepare, voice_store).
 
     The model family (``decoder_svc.families``) comes from ``--engine`` and
     the checkpoint's config. With stage processes the backends are
@@ -307,11 +310,11 @@ def build_engine(args: argparse.Namespace, profile) -> tuple[dict, dict]:
             return _launch_stage_processes(args, profile, model)
     try:
         parts = impl.build_engine(profile, args.model, max_num_seqs=None, launch=launch,
-                                  code2wav_workers=code2wav_workers(args))
+                                  code2wav_workers=code2wav_workers(args), voice_dir=args.voice_dir)
     except families.UnservableModel as exc:
         logger.error("cannot serve the model: %s", exc)
         raise SystemExit(f"decoder: cannot serve the model: {exc}") from exc
-    return parts.backends, {"vocoder": parts.vocoder, "prepare": parts.prepare}
+    return parts.backends, {"vocoder": parts.vocoder, "prepare": parts.prepare, "voice_store": parts.voices}
 
 
 def main(argv: list[str] | None = None) -> None:

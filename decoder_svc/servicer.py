@@ -10,6 +10,7 @@ traceback is logged (`log_internal`); its text never reaches the client.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import zlib
@@ -23,6 +24,7 @@ from decoder_svc.pipeline import Pipeline
 from decoder_svc.requests import Sink
 from omni_common.conversation import conversation_from_pb, last_user_text
 from omni_common.errors import (
+    FailedPreconditionError,
     InvalidArgumentError,
     OmniError,
     UnavailableError,
@@ -30,6 +32,7 @@ from omni_common.errors import (
     log_internal,
 )
 from omni_common.liveness import Watchdog
+from omni_common.media import AudioInput, decode_audio
 from omni_common.modality import OutputModality
 from omni_common.stop_strings import check_stops
 from omni_common.tensor_wire import encode_inline
@@ -89,7 +92,7 @@ def spec_from_pb(
     else:  # a text spoken as written is audio only, whatever the profile's default
         modality = OutputModality.AUDIO if req.verbatim else OutputModality.from_string(default_modalities)
     if req.verbatim:
-        _check_verbatim(req, modality)
+        _check_verbatim(req, modality, settings)
     task = "embed" if req.task == common_pb2.REQUEST_TASK_EMBED else "generate"
     return RequestSpec(
         request_id=req.request_id,
@@ -109,14 +112,34 @@ def spec_from_pb(
         stop=check_stops(sp.stop),
         instructions=req.instructions.strip(),
         verbatim=req.verbatim,
+        language=_language(req.language, settings),
+        reference_audio=(AudioInput(req.reference_audio.data, req.reference_audio.format,
+                                    req.reference_audio.sample_rate, "reference_audio")
+                         if req.HasField("reference_audio") else None),
+        reference_text=req.reference_text,
     )
 
 
-def _check_verbatim(req: decoder_pb2.GenerateRequest, modality: OutputModality) -> None:
-    """A text to speak as written: audio out, one prompt, no instructions."""
+def _language(language: str, settings: DeploymentSettings | None) -> str:
+    """A request's language: "" / "auto", or one the model lists (case-insensitive)."""
+    lang = language.strip().lower()
+    if lang in ("", "auto") or settings is None:
+        return lang
+    if not settings.languages:  # a model that takes no language ignores it
+        return ""
+    if lang not in settings.languages:
+        raise InvalidArgumentError("language", f"unknown language {language!r}; this model speaks: auto, "
+                                               f"{', '.join(settings.languages)}")
+    return lang
+
+
+def _check_verbatim(req: decoder_pb2.GenerateRequest, modality: OutputModality,
+                    settings: DeploymentSettings | None = None) -> None:
+    """A text to speak as written: audio out, one prompt, no instructions
+    (unless the speaking stage takes them: a text-to-speech model's voices)."""
     if req.messages:
         raise InvalidArgumentError("messages", "a text spoken as written (verbatim) is one prompt, not a conversation")
-    if req.instructions.strip():  # blank ones are none
+    if req.instructions.strip() and not (settings is not None and settings.speech_instructions):
         raise InvalidArgumentError(
             "instructions", "a text spoken as written (verbatim) has no turn to carry style instructions"
         )
@@ -126,6 +149,23 @@ def _check_verbatim(req: decoder_pb2.GenerateRequest, modality: OutputModality) 
         raise InvalidArgumentError(
             "output_modalities", f"a text spoken as written (verbatim) produces audio only, got {modality.to_string()}"
         )
+
+
+def voice_pb(info) -> common_pb2.Voice:  # noqa: ANN001
+    """A registered voice (``decoder_svc.qwen3_tts.voices.VoiceInfo``) as the API's Voice."""
+    return common_pb2.Voice(name=info.name, transcript=info.transcript, duration_seconds=info.seconds,
+                            sha256=info.sha256, created_unix=info.created_unix)
+
+
+@contextlib.asynccontextmanager
+async def _answered(context: grpc.aio.ServicerContext, rpc: str) -> AsyncIterator[None]:
+    """A unary call's errors: ours end it with their code, anything else is INTERNAL (logged)."""
+    try:
+        yield
+    except OmniError as exc:
+        await context.abort(grpc_code_for(exc), str(exc))
+    except Exception as exc:  # noqa: BLE001  a bug: INTERNAL, traceback logged under an error id
+        await context.abort(grpc.StatusCode.INTERNAL, log_internal(logger, rpc, exc))
 
 
 def stuck_parts(watchdog: Watchdog) -> list[decoder_pb2.StuckPart]:
@@ -211,6 +251,41 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
         aborted = await asyncio.to_thread(lambda: [rid for rid in ids if self.pipeline.abort(rid)])
         return decoder_pb2.AbortResponse(aborted_request_ids=aborted)
 
+    # -- the voice registry (a voice-clone model's) -----------------------------------
+    def _voices(self):  # noqa: ANN202
+        store = self.pipeline.voice_store
+        if store is None:
+            raise FailedPreconditionError("this model does not clone voices: it has no voice registry")
+        return store
+
+    async def RegisterVoice(self, request: decoder_pb2.RegisterVoiceRequest,
+                            context: grpc.aio.ServicerContext) -> decoder_pb2.RegisterVoiceResponse:
+        async with _answered(context, "RegisterVoice"):
+            store = self._voices()
+            store.check_name(request.name)
+            if not request.HasField("audio"):
+                raise InvalidArgumentError("audio", "is missing: the reference clip to register")
+            part = AudioInput(request.audio.data, request.audio.format, request.audio.sample_rate, "audio")
+            clip = await asyncio.to_thread(decode_audio, part, rate=24_000, max_seconds=store.limits.max_seconds)
+            info = await asyncio.to_thread(store.register, request.name, clip, request.transcript,
+                                           replace=request.replace, field="audio.data")
+            return decoder_pb2.RegisterVoiceResponse(voice=voice_pb(info))
+        return decoder_pb2.RegisterVoiceResponse()
+
+    async def ListVoices(self, request: decoder_pb2.ListVoicesRequest,
+                         context: grpc.aio.ServicerContext) -> decoder_pb2.ListVoicesResponse:
+        async with _answered(context, "ListVoices"):
+            store = self._voices()
+            infos = await asyncio.to_thread(store.list)
+            return decoder_pb2.ListVoicesResponse(voices=[voice_pb(i) for i in infos])
+        return decoder_pb2.ListVoicesResponse()
+
+    async def DeleteVoice(self, request: decoder_pb2.DeleteVoiceRequest,
+                          context: grpc.aio.ServicerContext) -> decoder_pb2.DeleteVoiceResponse:
+        async with _answered(context, "DeleteVoice"):
+            await asyncio.to_thread(self._voices().delete, request.name)
+        return decoder_pb2.DeleteVoiceResponse()
+
     async def GetDecoderInfo(
         self, request: decoder_pb2.GetDecoderInfoRequest, context: grpc.aio.ServicerContext
     ) -> decoder_pb2.GetDecoderInfoResponse:
@@ -232,6 +307,9 @@ class DecoderServicer(decoder_pb2_grpc.DecoderServiceServicer):
             limits=p.settings.limits_pb(),
             supports_instructions=p.settings.supports_instructions,
             model=p.settings.model,
+            speech_instructions=p.settings.speech_instructions,
+            voice_registry=p.voice_store is not None,
+            languages=list(p.settings.languages),
         )
         attachment = p.materializer_attachment()
         if attachment is not None:

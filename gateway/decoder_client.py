@@ -22,6 +22,7 @@ import logging
 import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -125,6 +126,12 @@ class DecoderInfo:
     """The stages' engine settings as built (code2wav: device and dtype), by stage name (`StageInfo.engine_settings`)."""
     voice_aliases: dict[str, str] = field(default_factory=dict)
     """Other voice names the decoder accepts, each to one of `voices` ("default", OpenAI's names)."""
+    speech_instructions: bool = False
+    """Speak takes style instructions (a text-to-speech model's)."""
+    voice_registry: bool = False
+    """The model clones voices: reference clips, and registered voices by name."""
+    languages: tuple[str, ...] = ()
+    """Languages a request may name besides "auto"."""
 
     @classmethod
     def from_pb(cls, pb: decoder_pb2.GetDecoderInfoResponse) -> DecoderInfo:
@@ -147,6 +154,9 @@ class DecoderInfo:
             model=pb.model,
             engine_settings={st.name: dict(st.engine_settings) for st in pb.stages if st.engine_settings},
             voice_aliases=dict(sorted(pb.voice_aliases.items())),
+            speech_instructions=pb.speech_instructions,
+            voice_registry=pb.voice_registry,
+            languages=tuple(pb.languages),
         )
 
 
@@ -222,6 +232,13 @@ class DecoderClient:
     def connected(self) -> bool:
         """True while the channel holds a live connection (READY)."""
         return self._channel.get_state(try_to_connect=False) is grpc.ChannelConnectivity.READY
+
+    async def voices(self, rpc: str, request: Any, timeout_s: float = 120.0) -> Any:
+        """A voice-registry call (``RegisterVoice``, ``ListVoices``, ``DeleteVoice``) on the decoder."""
+        try:
+            return await getattr(self._stub, rpc)(request, timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            raise decoder_error(exc, self.target) from exc
 
     def generate(self, request: decoder_pb2.GenerateRequest) -> grpc.aio.UnaryStreamCall:
         """Start a decoder stream; iterate it, and translate AioRpcError with `decoder_error`."""

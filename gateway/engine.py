@@ -46,7 +46,7 @@ from omni_common.errors import (
     UnavailableError,
 )
 from omni_common.modality import OutputModality
-from omni_serving.v1 import decoder_pb2
+from omni_serving.v1 import common_pb2, decoder_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +109,23 @@ class GatewayEngine:
     async def decoder_info(self) -> DecoderInfo:
         return await self.pool.info()
 
+    # -- the voice registry (a voice-clone model's; docs/voices.md) --------------------------
+    async def register_voice(self, name: str, audio: common_pb2.AudioContent, transcript: str = "",
+                             replace: bool = False) -> common_pb2.Voice:
+        """Register a reference clip on the decoder (which encodes it once); every replica
+        shares the registry's directory, so one replica registers it for all."""
+        request = decoder_pb2.RegisterVoiceRequest(name=name, transcript=transcript, replace=replace)
+        request.audio.CopyFrom(audio)
+        response = await self.pool.pick().client.voices("RegisterVoice", request)
+        return response.voice
+
+    async def list_voices(self) -> list[common_pb2.Voice]:
+        response = await self.pool.pick().client.voices("ListVoices", decoder_pb2.ListVoicesRequest())
+        return list(response.voices)
+
+    async def delete_voice(self, name: str) -> None:
+        await self.pool.pick().client.voices("DeleteVoice", decoder_pb2.DeleteVoiceRequest(name=name))
+
     async def generate(self, request: GenerationRequest, *, admitted: bool = False) -> AsyncIterator[OmniRequestOutput]:
         """Stream a Generate request's outputs (per its output kind) in an
         admission slot of its own, or in the caller's (`admitted`: a realtime
@@ -154,7 +171,8 @@ class GatewayEngine:
             rate = check_sample_rate(request.sample_rate_hz, info)
             upstream = decoder_request(
                 request.request_id, request.text, OutputModality.AUDIO, voice, request.sampling_params,
-                verbatim=True,
+                request.instructions, verbatim=True, language=request.language,
+                reference_audio=request.reference_audio, reference_text=request.reference_text,
             )
             sequence = samples = 0
             first_packet: float | None = None

@@ -5,6 +5,8 @@ Routes:
 * ``POST /v1/audio/speech`` - OpenAI's speech request (`gateway.http_speech`):
   raw audio chunks or SSE events as the audio is made, or one exact
   WAV/PCM/FLAC body.
+* ``POST``, ``GET /v1/audio/voices`` and ``DELETE /v1/audio/voices/{name}``
+  - a voice-clone model's voice registry (`gateway.http_voices`).
 * ``POST /v1/chat/completions`` - OpenAI's chat completions with text and
   audio output, streamed (SSE) or whole (`gateway.http_chat`).
 * ``GET /v1/models`` and ``GET /v1/models/{id}`` - the served model, with
@@ -71,6 +73,7 @@ from gateway.http_models import ModelsEndpoint
 from gateway.http_playground import add_playground_routes
 from gateway.http_realtime import RealtimeEndpoint
 from gateway.http_speech import SpeechEndpoint
+from gateway.http_voices import VoicesEndpoint
 from gateway.http_ws import SpeechStreamEndpoint
 from gateway.servicer import CLIENT_ERRORS
 from omni_common.errors import (
@@ -117,6 +120,7 @@ class HttpFacade:
         self.app.router.add_get(
             SpeechStreamEndpoint.route.path, SpeechStreamEndpoint(engine).handle
         )
+        VoicesEndpoint(engine).add_routes(self.app.router)
         self.app.router.add_post("/v1/chat/completions", ChatEndpoint(engine).handle)
         self.app.router.add_get(RealtimeEndpoint.route.path, RealtimeEndpoint(engine).handle)
         self.app.router.add_post(CLIENT_SECRETS_ROUTE, ClientSecretsEndpoint(keys).handle)

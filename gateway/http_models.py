@@ -51,6 +51,9 @@ def model_card(info: DecoderInfo, created: int) -> dict[str, object]:
         "sample_rate_hz": info.sample_rate_hz,
         "limits": limits_json(info),
         "supports_instructions": info.supports_instructions,
+        "speech_instructions": info.speech_instructions,
+        "voice_registry": info.voice_registry,
+        "languages": list(info.languages),
         "engine_settings": info.engine_settings,
     }
 

@@ -58,12 +58,14 @@ from gateway.http_common import (
     start_sse,
     write_sse_error,
 )
+from gateway.http_voices import audio_from_json
 from gateway.servicer import CLIENT_ERRORS
 from gateway.validation import (
     MAX_TEMPERATURE,
     Limits,
     SpeechRequest,
     check_instructions,
+    check_language,
     check_request_id,
     check_seed,
     check_text,
@@ -82,6 +84,7 @@ SPEED_RANGE = (0.25, 4.0)
 SPEECH_FIELDS = frozenset({
     "model", "input", "voice", "instructions", "response_format", "speed", "stream_format", "stream",
     "max_tokens", "max_audio_seconds", "temperature", "seed", "first_chunk_frames",
+    "language", "reference_audio", "reference_audio_format", "reference_text",
 })
 _CONTENT_TYPES = {"pcm": "audio/pcm", "wav": "audio/wav", "flac": "audio/flac"}
 
@@ -165,12 +168,18 @@ def speech_call_from_json(body: object, limits: Limits, request_id: str | None) 
     if seed is not None:
         assert isinstance(seed, int)
         sampling.seed = check_seed(seed)
+    reference = body.get("reference_audio")
     request = SpeechRequest(
         request_id=check_request_id(request_id or "", REQUEST_ID_HEADER),
         text=text,
         voice=voice,
         sampling_params=sampling,
         instructions=instructions,
+        language=check_language(str(json_field(body, "language", (str,), ""))),
+        reference_audio=None if reference is None else audio_from_json(
+            reference, "reference_audio", body.get("reference_audio_format", "")),
+        reference_text=check_instructions(str(json_field(body, "reference_text", (str,), "")), limits,
+                                          "reference_text"),
     )
     return SpeechCall(
         request=request,

@@ -29,11 +29,20 @@ from gateway.engine import GatewayEngine
 from gateway.realtime import serve_grpc as serve_realtime
 from gateway.speak_stream import serve_grpc as serve_speak_stream
 from gateway.validation import (
+    check_instructions,
+    check_reference_audio,
     check_response_size,
     generation_request_from_pb,
     speech_request_from_pb,
 )
-from omni_common.errors import CLIENT_ERRORS, OmniError, grpc_code_for, log_internal, public_message
+from omni_common.errors import (
+    CLIENT_ERRORS,
+    InvalidArgumentError,
+    OmniError,
+    grpc_code_for,
+    log_internal,
+    public_message,
+)
 from omni_common.server import cancelled_by_client
 from omni_serving.v1 import gateway_pb2, gateway_pb2_grpc, payload_pb2
 
@@ -90,6 +99,34 @@ class OmniGatewayService(gateway_pb2_grpc.OmniGatewayServiceServicer):
         async with _served(context, "Realtime"):
             await serve_realtime(self._engine, requests, context)
 
+    async def RegisterVoice(
+        self, request: gateway_pb2.OmniGatewayServiceRegisterVoiceRequest, context: grpc.aio.ServicerContext
+    ) -> gateway_pb2.OmniGatewayServiceRegisterVoiceResponse:
+        response = gateway_pb2.OmniGatewayServiceRegisterVoiceResponse()
+        async with _served(context, "RegisterVoice"):
+            audio = check_reference_audio(request.audio if request.HasField("audio") else None, "audio")
+            if audio is None:
+                raise InvalidArgumentError("audio", "is missing: the reference clip to register")
+            transcript = check_instructions(request.transcript, self._engine.limits, "transcript")
+            response.voice.CopyFrom(await self._engine.register_voice(request.name, audio, transcript,
+                                                                      request.replace))
+        return response
+
+    async def ListVoices(
+        self, request: gateway_pb2.OmniGatewayServiceListVoicesRequest, context: grpc.aio.ServicerContext
+    ) -> gateway_pb2.OmniGatewayServiceListVoicesResponse:
+        response = gateway_pb2.OmniGatewayServiceListVoicesResponse()
+        async with _served(context, "ListVoices"):
+            response.voices.extend(await self._engine.list_voices())
+        return response
+
+    async def DeleteVoice(
+        self, request: gateway_pb2.OmniGatewayServiceDeleteVoiceRequest, context: grpc.aio.ServicerContext
+    ) -> gateway_pb2.OmniGatewayServiceDeleteVoiceResponse:
+        async with _served(context, "DeleteVoice"):
+            await self._engine.delete_voice(request.name)
+        return gateway_pb2.OmniGatewayServiceDeleteVoiceResponse()
+
     async def ListModels(
         self, request: gateway_pb2.ListModelsRequest, context: grpc.aio.ServicerContext
     ) -> gateway_pb2.ListModelsResponse:
@@ -112,6 +149,9 @@ def model_card(info: DecoderInfo) -> gateway_pb2.ModelCard:
         voice_aliases=info.voice_aliases,
         sample_rate_hz=info.sample_rate_hz,
         supports_instructions=info.supports_instructions,
+        speech_instructions=info.speech_instructions,
+        voice_registry=info.voice_registry,
+        languages=list(info.languages),
     )
     card.limits.CopyFrom(info.limits)
     return card

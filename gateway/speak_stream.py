@@ -78,6 +78,8 @@ from gateway.validation import (
     check_against_decoder,
     check_encoding,
     check_instructions,
+    check_language,
+    check_reference_audio,
     check_request_id,
     check_sample_rate,
     check_sample_rate_shape,
@@ -249,6 +251,9 @@ class StreamConfig:
     sample_rate_hz: int = 0
     sampling_params: common_pb2.SamplingParams | None = None
     instructions: str = ""
+    language: str = ""
+    reference_audio: common_pb2.AudioContent | None = None  # a voice-clone model's reference clip
+    reference_text: str = ""
     voice_field: str = "voice"
     sample_rate_field: str = "sample_rate_hz"
     instructions_field: str = "instructions"
@@ -585,7 +590,8 @@ class SpeakStreamCall:
         assert config is not None
         upstream = decoder_request(
             f"{self.call_id}/{index}", text, OutputModality.AUDIO, self._voice, config.sampling_params,
-            verbatim=True,
+            config.instructions, verbatim=True, language=config.language,
+            reference_audio=config.reference_audio, reference_text=config.reference_text,
         )
         limits = self._engine.limits
         max_audio = max(2, (limits.max_response_bytes - 4096 - 4 * len(text)) // 2 * 2)
@@ -676,6 +682,10 @@ def config_from_pb(config: gateway_pb2.SpeakStreamConfig, limits: Limits) -> Str
             "config.sampling_params",
         ),
         instructions=check_instructions(config.instructions, limits, "config.instructions"),
+        language=check_language(config.language, "config.language"),
+        reference_audio=check_reference_audio(config.reference_audio if config.HasField("reference_audio") else None,
+                                              "config.reference_audio"),
+        reference_text=check_instructions(config.reference_text, limits, "config.reference_text"),
         voice_field="config.voice",
         sample_rate_field="config.sample_rate_hz",
         instructions_field="config.instructions",

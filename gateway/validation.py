@@ -104,6 +104,10 @@ class SpeechRequest:
     encoding: int = gateway_pb2.AUDIO_ENCODING_PCM16LE
     sampling_params: common_pb2.SamplingParams | None = None
     instructions: str = ""
+    language: str = ""
+    # a voice-clone model's reference clip (as sent) and its transcript
+    reference_audio: common_pb2.AudioContent | None = None
+    reference_text: str = ""
 
 
 @dataclass(frozen=True)
@@ -257,7 +261,7 @@ def check_against_decoder(
     audio and image parts need a deployment that takes them, within its
     limits; `verbatim`: a text spoken as written, which takes no instructions
     nor stop sequences)."""
-    if instructions and verbatim:
+    if instructions and verbatim and not info.speech_instructions:
         raise InvalidArgumentError(
             instructions_field,
             "speech speaks the text as written: no text stage reads style instructions "
@@ -333,8 +337,15 @@ def check_seed(seed: int, field: str = "seed") -> int:
 def check_voice(voice: str, info: DecoderInfo, field: str = "voice") -> str:
     """The decoder's voice for `voice`: one it lists, or its voice for an
     alias it reports ("default", OpenAI's names); empty means its first
-    voice (or none if it lists none) (``omni_common.voices``)."""
-    return resolve_voice(voice, info.voices, info.voice_aliases, field)
+    voice (or none if it lists none) (``omni_common.voices``). Where the
+    model has a voice registry, any other name goes on: the decoder looks
+    it up among the registered voices (and refuses an unknown one)."""
+    try:
+        return resolve_voice(voice, info.voices, info.voice_aliases, field)
+    except InvalidArgumentError:
+        if info.voice_registry:
+            return voice
+        raise
 
 
 def check_voice_shape(voice: str, field: str = "voice") -> str:
@@ -398,7 +409,36 @@ def speech_request_from_pb(request: gateway_pb2.SpeakRequest, limits: Limits) ->
             request.sampling_params if request.HasField("sampling_params") else None
         ),
         instructions=check_instructions(request.instructions, limits),
+        language=check_language(request.language),
+        reference_audio=check_reference_audio(request.reference_audio if request.HasField("reference_audio")
+                                              else None),
+        reference_text=check_instructions(request.reference_text, limits, "reference_text"),
     )
+
+
+MAX_LANGUAGE_CHARS = 64
+MAX_REFERENCE_BYTES = 16 * 2**20
+
+
+def check_language(language: str, field: str = "language") -> str:
+    """A language name of plausible shape (the decoder lists the ones it speaks)."""
+    if len(language) > MAX_LANGUAGE_CHARS:
+        raise InvalidArgumentError(field, f"has {len(language)} characters; no language name is longer than "
+                                          f"{MAX_LANGUAGE_CHARS}")
+    return check_unicode(language, field).strip()
+
+
+def check_reference_audio(audio: common_pb2.AudioContent | None,
+                          field: str = "reference_audio") -> common_pb2.AudioContent | None:
+    """A reference clip as sent: present data within the size limit (the decoder decodes it)."""
+    if audio is None:
+        return None
+    if not audio.data:
+        raise InvalidArgumentError(f"{field}.data", "is empty")
+    if len(audio.data) > MAX_REFERENCE_BYTES:
+        raise InvalidArgumentError(f"{field}.data", f"is {len(audio.data)} bytes; a reference clip is at most "
+                                                    f"{MAX_REFERENCE_BYTES} bytes")
+    return audio
 
 
 def generation_request_from_pb(
@@ -439,6 +479,9 @@ def decoder_request(
     messages: tuple[Turn, ...] = (),
     *,
     verbatim: bool = False,
+    language: str = "",
+    reference_audio: common_pb2.AudioContent | None = None,
+    reference_text: str = "",
 ) -> decoder_pb2.GenerateRequest:
     """The `DecoderService.Generate` request for a validated gateway request
     (`messages`: a conversation instead of `prompt`; `verbatim`: the prompt
@@ -453,6 +496,9 @@ def decoder_request(
         messages=turns_to_pb(messages),
         verbatim=verbatim,
     )
+    out.language, out.reference_text = language, reference_text  # (a text-to-speech model's)
+    if reference_audio is not None:
+        out.reference_audio.CopyFrom(reference_audio)
     if sampling_params is not None:
         out.sampling_params.CopyFrom(sampling_params)
     return out
@@ -470,6 +516,8 @@ __all__ = [
     "check_against_decoder",
     "check_encoding",
     "check_instructions",
+    "check_language",
+    "check_reference_audio",
     "check_modalities",
     "check_request_id",
     "check_response_size",

@@ -296,6 +296,9 @@ def test_models_list_and_get(gateway: GatewayThread) -> None:
             "max_input_image_pixels": 0,
         },
         "supports_instructions": False,
+        "speech_instructions": False,
+        "voice_registry": False,
+        "languages": [],
         "engine_settings": {},  # the fake decoder's stages say none
     }
     assert get(gateway.http_port, "/v1/models/omni-serving").json() == model

@@ -34,6 +34,19 @@ from decoder_svc.code2wav.chunking import SAMPLE_RATE_HZ, ChunkState, as_audio
 from decoder_svc.spawned import call_factory
 from omni_common.errors import InvalidArgumentError
 
+CONTEXT_MARK = 1 << 20
+"""Added to codebook 0 of context frames: frames at the start of a request's
+first codes (``context_frames``, a cloned voice's reference clip) that the
+vocoder decodes before the request's own, whose audio is not sent."""
+
+
+def context_frames(codes: np.ndarray) -> np.ndarray:
+    """``codes`` [F, Q] marked as context (``CONTEXT_MARK``)."""
+    out = np.array(codes, dtype=np.int64).reshape(codes.shape[0], -1)
+    out[:, 0] += CONTEXT_MARK
+    return out
+
+
 VocoderSpec = tuple[str, dict[str, Any]]
 """(importable factory "package.module:attr", its keyword arguments)."""
 
@@ -152,16 +165,21 @@ class Code2WavCore:
         arrived (the worker's clock; default now). first: frames of the
         request's first chunk (0: the ramp's), taken from its first item."""
         r = self._requests.get(rid)
+        codes = None if kind == "finish" else np.asarray(value).reshape(-1, self.num_codebooks)
         if r is None:
-            state = ChunkState(self.ramp, self.chunk_frames, self.vocoder.new_stream(voice), self.num_codebooks,
-                               first)
+            stream = self.vocoder.new_stream(voice)
+            if codes is not None and codes.shape[0] and codes[0, 0] >= CONTEXT_MARK:  # its context, decoded first
+                context = codes[codes[:, 0] >= CONTEXT_MARK].copy()
+                context[:, 0] -= CONTEXT_MARK
+                stream.push(context)  # (its audio is not sent)
+                codes = codes[codes[:, 0] < CONTEXT_MARK]
+            state = ChunkState(self.ramp, self.chunk_frames, stream, self.num_codebooks, first)
             r = self._requests[rid] = PendingRequest(rid, next(self._seq), state)
         if r.finished:
             return
         st = r.state
         final = kind == "finish"
-        if not final:
-            codes = np.asarray(value).reshape(-1, self.num_codebooks)
+        if codes is not None:
             # an end-of-speech row (codebook 0 outside the codebook) is no frame
             st.add(codes[codes[:, 0] < self.codebook_size])
         chunks = st.ready_chunks(final)

@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 
 def build_engine(
     profile: Profile, model: str, *, max_num_seqs: int, launch: Callable[[str], dict[str, Any]] | None = None,
-    code2wav_workers: int = 0,
+    code2wav_workers: int = 0, voice_dir: str = "",
 ) -> EngineParts:
     try:
         checkpoint = OmniCheckpoint.open(Path(model) if model else default_model_dir())

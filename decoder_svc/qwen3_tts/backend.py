@@ -101,6 +101,8 @@ class TTSTalkerBackend(TalkerBackend):
         self.speakers = checkpoint.speakers
         self.languages = checkpoint.languages
         self.kind = checkpoint.kind
+        # style instructions: a speaker's (custom_voice) or the voice described (voice_design)
+        self.speech_instructions = self.kind != "base"
         talker = checkpoint.talker_config
         self._all_languages = {str(k).lower(): int(v) for k, v in talker["codec_language_id"].items()}
         self._dialects = {str(k).lower(): v for k, v in talker["spk_is_dialect"].items()}

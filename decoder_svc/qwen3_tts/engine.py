@@ -37,10 +37,10 @@ from decoder_svc.qwen3_omni.engine import vocoder_placement
 from decoder_svc.qwen3_omni.vocoder import _NumpyStream
 from omni_common.errors import InvalidArgumentError
 
-from .backend import INSTRUCT_IDS, TTSTalkerBackend
+from .backend import INSTRUCT_IDS, REF_CODES, REF_TEXT_IDS, XVECTOR, TTSTalkerBackend
 from .checkpoint import TTSCheckpoint
 from .layout import head_dim
-from .prompt import assistant_text, instruct_text
+from .prompt import assistant_text, instruct_text, reference_text
 from .speech_decoder import SpeechDecoder
 
 log = logging.getLogger(__name__)
@@ -58,14 +58,19 @@ def voices_of(checkpoint: TTSCheckpoint) -> tuple[str, ...]:
 
 
 class SpeechPrompts:
-    """Requests' token ids through the checkpoint's tokenizer (no chat template: the turns are fixed)."""
+    """Requests' token ids through the checkpoint's tokenizer (no chat template: the turns are
+    fixed), and a cloned voice's features: from the request's reference clip, or a registered
+    voice's (``voices``, a ``.voices.VoiceStore``; ``encoder``: the clip encoders, ``base`` only)."""
 
-    def __init__(self, checkpoint: TTSCheckpoint, *, max_model_len: int = 0) -> None:
+    def __init__(self, checkpoint: TTSCheckpoint, *, max_model_len: int = 0, voices: Any = None,
+                 encoder: Any = None) -> None:
         from transformers import AutoTokenizer
 
         self.tokenizer = AutoTokenizer.from_pretrained(str(checkpoint.path))
         self.kind = checkpoint.kind
         self.max_model_len = max_model_len  # the talker's context (0: unknown yet)
+        self.voices = voices
+        self.encoder = encoder
         self._lock = threading.Lock()  # fast tokenizers are not re-entrant
 
     def tokens(self, text: str) -> list[int]:
@@ -82,11 +87,47 @@ class SpeechPrompts:
                 raise InvalidArgumentError("instructions", "a voice-clone model takes no instructions")
             instruct = self.tokens(instruct_text(spec.instructions))
             cond[INSTRUCT_IDS] = torch.tensor(instruct, dtype=torch.long)
-        n = len(ids) + (int(cond[INSTRUCT_IDS].numel()) if INSTRUCT_IDS in cond else 0)
+        context = self._clone(spec, cond)
+        n = len(ids) + sum(int(cond[k].numel()) for k in (INSTRUCT_IDS, REF_TEXT_IDS) if k in cond)
+        n += 0 if context is None else int(context.shape[0])
         if self.max_model_len and n + 16 >= self.max_model_len:
-            raise InvalidArgumentError("text", f"is {n} tokens with the instruction; the talker's context is "
-                                               f"{self.max_model_len}")
-        return dataclasses.replace(spec, prompt_token_ids=ids, reply_token_ids=[], conditioning=cond)
+            raise InvalidArgumentError("text", f"is {n} tokens with the instruction and the voice's reference; the "
+                                               f"talker's context is {self.max_model_len}")
+        return dataclasses.replace(spec, prompt_token_ids=ids, reply_token_ids=[], conditioning=cond,
+                                   audio_context=context, reference_audio=None)
+
+    def _clone(self, spec: RequestSpec, cond: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """A cloned voice's conditioning into ``cond``; returns the reference codes the vocoder
+        decodes first (an in-context clone), or None."""
+        if self.kind != "base":
+            if spec.reference_audio is not None:
+                raise InvalidArgumentError("reference_audio", f"this model ({self.kind}) does not clone voices; "
+                                                              "a voice-clone (base) model does")
+            return None
+        if spec.reference_audio is not None:
+            from omni_common.media import decode_audio
+
+            limits = self.voices.limits if self.voices is not None else None
+            clip = decode_audio(spec.reference_audio, rate=24_000,
+                                max_seconds=limits.max_seconds if limits is not None else 30.0)
+            if self.voices is not None:
+                self.voices.check_clip(clip, f"{spec.reference_audio.field}.data")
+                transcript = self.voices.check_transcript(spec.reference_text)
+            else:
+                transcript = spec.reference_text.strip()
+            xvector, codes = self.encoder.x_vector(clip), self.encoder.codes(clip) if transcript else None
+        elif self.voices is not None and self.voices.has(spec.voice):
+            features = self.voices.features(spec.voice)
+            xvector, codes, transcript = features.xvector, features.codes, features.transcript
+        else:
+            raise InvalidArgumentError("reference_audio", "a voice-clone model speaks in a voice cloned from a "
+                                                          "reference clip: send one, or name a registered voice")
+        cond[XVECTOR] = xvector
+        if codes is None:
+            return None
+        cond[REF_CODES] = codes
+        cond[REF_TEXT_IDS] = torch.tensor(self.tokens(reference_text(transcript)), dtype=torch.long)
+        return codes
 
 
 class SpeechVocoder:
@@ -165,6 +206,28 @@ def build_stage_backend(checkpoint: TTSCheckpoint, stage: Any, *, max_num_seqs: 
     )
 
 
+def make_prompts(checkpoint: TTSCheckpoint, *, max_model_len: int, voice_dir: str | Path = "") -> SpeechPrompts:
+    """The prompts, with the voice registry and the clip encoders of a voice-clone (base) model."""
+    if checkpoint.kind != "base":
+        return SpeechPrompts(checkpoint, max_model_len=max_model_len)
+    from decoder_svc.qwen3_omni.cache import model_cache_root
+
+    from .voice_features import VoiceEncoder
+    from .voices import VoiceStore
+
+    encoder = VoiceEncoder(checkpoint)
+
+    def encode(clip: np.ndarray, with_codes: bool) -> tuple[Any, Any]:
+        return encoder.x_vector(clip), encoder.codes(clip) if with_codes else None
+
+    root = Path(voice_dir) if voice_dir else model_cache_root() / "voices"
+    if root.resolve() == checkpoint.path or checkpoint.path in root.resolve().parents:
+        raise InvalidArgumentError("voice_dir", f"{root} is inside the model's directory, which is never written")
+    store = VoiceStore(root, fingerprint=checkpoint.fingerprint(), encode=encode, reserved=voices_of(checkpoint))
+    log.info("voice registry: %s (%d voices)", store.root, len(store.names()))
+    return SpeechPrompts(checkpoint, max_model_len=max_model_len, voices=store, encoder=encoder)
+
+
 @dataclass
 class TTSEngine:
     checkpoint: TTSCheckpoint
@@ -195,7 +258,7 @@ def make_vocoder(checkpoint: TTSCheckpoint, profile: Profile) -> SpeechVocoder:
 
 
 def build_engine(profile: Profile, checkpoint: TTSCheckpoint, *, max_num_seqs: int | None = None, seed: int = 0,
-                 max_model_len: int | None = None, **backend_kwargs: Any) -> TTSEngine:
+                 max_model_len: int | None = None, voice_dir: str | Path = "", **backend_kwargs: Any) -> TTSEngine:
     """The talker's backend in this process, the vocoder and the prompts."""
     check_profile(profile)
     stage = profile.ar_stages[0]
@@ -203,7 +266,7 @@ def build_engine(profile: Profile, checkpoint: TTSCheckpoint, *, max_num_seqs: i
                                   max_model_len=max_model_len, **backend_kwargs)
     try:
         vocoder = make_vocoder(checkpoint, profile)
-        prompts = SpeechPrompts(checkpoint, max_model_len=backend.max_model_len)
+        prompts = make_prompts(checkpoint, max_model_len=backend.max_model_len, voice_dir=voice_dir)
     except BaseException:
         backend.close()
         raise

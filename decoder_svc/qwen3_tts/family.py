@@ -20,9 +20,9 @@ from decoder_svc.profile import Profile
 from omni_common.errors import InvalidArgumentError
 
 from .checkpoint import CheckpointError, TTSCheckpoint
-from .engine import SpeechPrompts, check_profile, make_vocoder
 from .engine import build_engine as build_tts
 from .engine import build_stage_backend as build_backend
+from .engine import check_profile, make_prompts, make_vocoder
 
 log = logging.getLogger(__name__)
 
@@ -35,7 +35,7 @@ def _open(model: str) -> TTSCheckpoint:
 
 def build_engine(
     profile: Profile, model: str, *, max_num_seqs: int, launch: Callable[[str], dict[str, Any]] | None = None,
-    code2wav_workers: int = 0,
+    code2wav_workers: int = 0, voice_dir: str = "",
 ) -> EngineParts:
     try:
         checkpoint = _open(model)
@@ -46,10 +46,16 @@ def build_engine(
     if launch is not None:
         vocoder = make_vocoder(checkpoint, profile)
         backends = launch(str(checkpoint.path))
-        prompts = SpeechPrompts(checkpoint, max_model_len=backends[profile.ar_stages[0].name].max_model_len)
-        return EngineParts(backends, vocoder, prompts.prepare)
-    engine = build_tts(profile, checkpoint, max_num_seqs=max_num_seqs)
-    return EngineParts(engine.backends, engine.vocoder, engine.prepare)
+        try:
+            prompts = make_prompts(checkpoint, max_model_len=backends[profile.ar_stages[0].name].max_model_len,
+                                   voice_dir=voice_dir)
+        except BaseException:
+            for b in backends.values():
+                b.close()
+            raise
+        return EngineParts(backends, vocoder, prompts.prepare, voices=prompts.voices)
+    engine = build_tts(profile, checkpoint, max_num_seqs=max_num_seqs, voice_dir=voice_dir)
+    return EngineParts(engine.backends, engine.vocoder, engine.prepare, voices=engine.prompts.voices)
 
 
 def build_stage_backend(spec):  # noqa: ANN001, ANN201

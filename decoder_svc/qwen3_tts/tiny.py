@@ -306,6 +306,9 @@ def _tensors(shapes: dict[str, tuple[int, ...]], seed: int) -> dict[str, Any]:
 
 def _mimi_encoder_shapes(encoder_config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """The Mimi encoder's tensors (``encoder.*``), as transformers' ``MimiModel`` names them."""
+    from omni_common import torchvision_compat
+
+    torchvision_compat.install()  # before transformers' models
     from transformers import MimiConfig, MimiModel
 
     model = MimiModel(MimiConfig(**encoder_config))

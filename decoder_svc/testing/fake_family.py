@@ -22,7 +22,7 @@ DEFAULT_FACTORY = "decoder_svc.testing.fake_engine:FakeBackend"
 
 def build_engine(
     profile: Profile, model: str, *, max_num_seqs: int, launch: Callable[[str], dict[str, Any]] | None = None,
-    code2wav_workers: int = 0,
+    code2wav_workers: int = 0, voice_dir: str = "",
 ) -> EngineParts:
     if launch is not None:
         backends = launch("")
