@@ -80,6 +80,8 @@ class Family:
     architectures: tuple[str, ...] = ()  # config.json "architectures" it serves
     # out-of-tree vLLM model classes: architecture -> "package.module:factory"
     vllm_models: dict[str, str] = field(default_factory=dict)
+    # the deploy profile --profile auto means (the one the model serves by default)
+    default_profile: str = "omni"
 
     def load(self) -> ModuleType:
         """The family's module (ImportError: its engine is not installed)."""
@@ -101,6 +103,7 @@ FAMILIES: dict[str, Family] = {
             architectures=("Qwen3TTSForConditionalGeneration",),
             # the same talker model class as Qwen3-Omni's (a dense MLP, its own text projection)
             vllm_models={"OmniServingQwen3OmniTalker": "decoder_svc.qwen3_omni.talker:talker_model_class"},
+            default_profile="tts",
         ),
         Family("fake", "decoder_svc.testing.fake_family"),
     )

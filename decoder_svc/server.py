@@ -59,8 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="materializer target (unix:///path.sock); empty = build payloads in-process")
     p.add_argument("--deployment", default=os.environ.get("OMNI_DEPLOYMENT", "default"),
                    help="deployment name; shared-memory segments are named omni-<deployment>-*")
-    p.add_argument("--profile", default=os.environ.get("OMNI_PROFILE", "omni"),
-                   help=f"deploy profile: one of {available_profiles()} or a YAML path")
+    p.add_argument("--profile", default=os.environ.get("OMNI_PROFILE", "auto"),
+                   help=f"deploy profile: one of {available_profiles()}, a YAML path, or auto (the model's "
+                        "own: omni for Qwen3-Omni, tts for Qwen3-TTS)")
     p.add_argument("--engine", choices=("vllm", "fake", "reference"), default=os.environ.get("OMNI_ENGINE", "vllm"),
                    help="vllm (default: the model) or fake (a deterministic test double, not a model; "
                         "'reference' is its deprecated name)")
@@ -247,7 +248,10 @@ def deployed_profile(args: argparse.Namespace):
     (applied by load_profile), then ``--max-num-seqs`` and ``--engine-set``."""
     items = [f"max_num_seqs={args.max_num_seqs}"] if args.max_num_seqs is not None else []
     items += list(args.engine_set)
-    profile = load_profile(args.profile).with_engine_overrides(parse_overrides(items, "--engine-set"), "--engine-set")
+    name = args.profile
+    if name == "auto":
+        name = families.family_for(args.engine, args.model).default_profile
+    profile = load_profile(name).with_engine_overrides(parse_overrides(items, "--engine-set"), "--engine-set")
     check_placement([(s.name, s.engine, s.tensor_parallel_size) for s in profile.ar_stages],
                     own_processes=stage_processes_on(args))
     return profile

@@ -55,6 +55,10 @@ def _cmd_speak(args: argparse.Namespace) -> int:
 
 
 def _cmd_models_create(args: argparse.Namespace) -> int:
+    if args.family == "qwen3-tts":
+        from omni_cli.tts_models import create
+
+        return create(args)
     from decoder_svc.qwen3_omni.cache import default_model_dir, released_model_dir
     from decoder_svc.qwen3_omni.released import create_released_checkpoint
     from decoder_svc.qwen3_omni.tiny import create_tiny_checkpoint
@@ -94,6 +98,10 @@ def _cmd_models_create(args: argparse.Namespace) -> int:
 
 
 def _cmd_models_check(args: argparse.Namespace) -> int:
+    from omni_cli.tts_models import check, is_tts_dir
+
+    if is_tts_dir(args.dir):
+        return check(args.dir)
     from decoder_svc.qwen3_omni.checkpoint import CheckpointError, OmniCheckpoint
     from decoder_svc.qwen3_omni.views import TALKER_PREFIX, check_view, talker_view
 
@@ -297,10 +305,15 @@ def build_parser() -> argparse.ArgumentParser:
     mc.add_argument("--preset", choices=["tiny", "released"], default="tiny",
                     help="tiny (default) or released (the released widths)")
     mc.add_argument("--layers", type=int, default=None, help="with --preset released: layers per stack (default: 1)")
+    mc.add_argument("--family", choices=["qwen3-omni", "qwen3-tts"], default="qwen3-omni",
+                    help="qwen3-omni (default) or qwen3-tts: a tiny Qwen3-TTS (12 Hz) checkpoint of --kind, with --out")
+    mc.add_argument("--kind", choices=["custom_voice", "voice_design", "base"], default="custom_voice",
+                    help="with --family qwen3-tts: custom_voice (named speakers, default), voice_design (a voice "
+                         "described in words) or base (voices cloned from reference clips)")
     mc.set_defaults(func=_cmd_models_create)
     mk = msub.add_parser(
         "check",
-        help="validate a Qwen3-Omni checkpoint directory and print a summary",
+        help="validate a Qwen3-Omni or Qwen3-TTS checkpoint directory and print a summary",
         description="Run the checks the decoder runs before serving a checkpoint (config, "
         "weights, tokenizer, chat template); exit 1 with the file and key of the first problem.",
     )

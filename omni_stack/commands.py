@@ -160,6 +160,8 @@ def service_commands(
             decoder_args += ["--materializer", mat_sock]
         if cfg.model:
             decoder_args += ["--model", cfg.model]
+        if cfg.voice_dir:
+            decoder_args += ["--voice-dir", cfg.voice_dir]
         for item in cfg.engine_set_items():
             decoder_args += ["--engine-set", item]
         decoder = ServiceProcess(

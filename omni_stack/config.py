@@ -36,7 +36,7 @@ LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
 class StackConfig:
     """What `omni-serving up` runs. Ports set to 0 are picked free at start."""
 
-    profile: str = "omni"
+    profile: str = "auto"
     engine: str = "vllm"
     materializer_impl: str = "reference"
     model: str = ""  # Qwen3-Omni checkpoint directory; empty = the decoder's default
@@ -74,6 +74,7 @@ class StackConfig:
     auth_token_file: str = ""
     allowed_origins: str = ""  # comma-separated origins; passed as --allowed-origins
     max_text_chars: int = 0  # passed as --max-text-chars (0 = not passed: the gateway's default)
+    voice_dir: str = ""  # the decoder's --voice-dir ("" = not passed: its default)
     extra_decoder_args: list[str] = field(default_factory=list)
     # AR stages' engine settings over the profile's: "[STAGE.]KEY=VALUE" items,
     # comma-separated, each passed to the decoder as --engine-set
@@ -220,7 +221,8 @@ class UpOption:
 
 
 UP_OPTIONS: tuple[UpOption, ...] = (
-    UpOption("profile", str, "deploy profile: omni (speech and chat), tts (speech only) or a profile YAML path"),
+    UpOption("profile", str, "deploy profile: omni (speech and chat), tts (speech only), a profile YAML path, "
+                             "or auto (default: the model's own, omni for Qwen3-Omni, tts for Qwen3-TTS)"),
     UpOption(
         "engine",
         str,
@@ -350,6 +352,13 @@ UP_OPTIONS: tuple[UpOption, ...] = (
         "gateway: the longest text, prompt or input accepted, in characters, passed as --max-text-chars "
         "(0: the gateway's default, 4096; raise it for long prompts)",
         metavar="N",
+    ),
+    UpOption(
+        "voice_dir",
+        str,
+        "decoder: the voice registry's directory (a voice-clone model's registered voices), passed as "
+        "--voice-dir (default: voices/ in the model cache; docs/voices.md)",
+        metavar="DIR",
     ),
 )
 _OPTIONS_BY_KEY = {opt.key: opt for opt in UP_OPTIONS}

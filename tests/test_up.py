@@ -316,7 +316,7 @@ def _parse(*argv: str) -> StackConfig:
 
 def test_defaults():
     cfg = _parse()
-    assert (cfg.profile, cfg.engine, cfg.materializer_impl) == ("omni", "vllm", "reference")
+    assert (cfg.profile, cfg.engine, cfg.materializer_impl) == ("auto", "vllm", "reference")
     assert (cfg.host, cfg.port, cfg.http_port) == ("127.0.0.1", 50051, 8000)
     assert (cfg.decoder_metrics_port, cfg.materializer_metrics_port) == (9101, 9102)
     assert cfg.startup_timeout >= 120, "vLLM's first run creates models: startup needs time"
@@ -330,7 +330,7 @@ def test_config_file_and_command_line_precedence(tmp_path, suffix):
     else:
         path.write_text("profile: omni\nengine: fake\nhttp-port: 9000\nsync: true\nstartup_timeout: 60\n")
     cfg = _parse("--config", str(path), "--http-port", "9001", "--no-sync")
-    assert cfg.profile == "omni" and cfg.engine == "fake" and cfg.startup_timeout == 60.0
+    assert cfg.profile == "auto" and cfg.engine == "fake" and cfg.startup_timeout == 60.0
     assert cfg.http_port == 9001, "the command line wins over the file"
     assert cfg.sync is False
     assert cfg.port == default_value("port"), "keys absent from both keep their default"
