@@ -74,3 +74,11 @@ class ReportedFacts:
     @property
     def image_input(self) -> bool:
         return self._fact("image_input")
+
+    @property
+    def speech_instructions(self) -> bool:
+        return self._fact("speech_instructions")
+
+    @property
+    def languages(self) -> tuple[str, ...]:
+        return self._fact("languages")

@@ -146,18 +146,23 @@ class StageFacts:
     hidden_size: int | None = None
     audio_input_rate: int | None = None
     image_input: bool | None = None
+    speech_instructions: bool | None = None
+    languages: tuple[str, ...] | None = None
     engine_facts: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def of(cls, backend: Any) -> StageFacts:
         """The facts of a backend in this process (the attributes it has)."""
         said = {name: getattr(backend, name) for name in _FACT_NAMES if hasattr(backend, name)}
+        if "languages" in said:  # (a backend's may be a map of names to ids)
+            said["languages"] = tuple(sorted(said["languages"]))
         return cls(**said, engine_facts=dict(getattr(backend, "engine_facts", dict)()))
 
 
 _FACT_NAMES = (
     "role", "max_model_len", "sampling_defaults", "model_name", "num_codebooks", "codec_vocab",
     "streams_input", "min_input_tokens", "hidden_size", "audio_input_rate", "image_input",
+    "speech_instructions", "languages",
 )
 
 
