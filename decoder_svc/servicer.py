@@ -125,8 +125,9 @@ def _language(language: str, settings: DeploymentSettings | None) -> str:
     lang = language.strip().lower()
     if lang in ("", "auto") or settings is None:
         return lang
-    if not settings.languages:  # a model that takes no language ignores it
-        return ""
+    if not settings.languages:
+        raise InvalidArgumentError("language", f"this model takes no language (it speaks the text as it is "
+                                               f"written); got {language!r}")
     if lang not in settings.languages:
         raise InvalidArgumentError("language", f"unknown language {language!r}; this model speaks: auto, "
                                                f"{', '.join(settings.languages)}")

@@ -35,6 +35,7 @@ from gateway.validation import (
     Limits,
     SpeechRequest,
     check_against_decoder,
+    check_language_against,
     check_sample_rate,
     check_voice,
     decoder_request,
@@ -168,6 +169,7 @@ class GatewayEngine:
                 verbatim=True,
             )
             voice = await self.resolve_voice(request.voice, info)
+            check_language_against(request.language, info)
             rate = check_sample_rate(request.sample_rate_hz, info)
             upstream = decoder_request(
                 request.request_id, request.text, OutputModality.AUDIO, voice, request.sampling_params,

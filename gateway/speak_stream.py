@@ -79,6 +79,7 @@ from gateway.validation import (
     check_encoding,
     check_instructions,
     check_language,
+    check_language_against,
     check_reference_audio,
     check_request_id,
     check_sample_rate,
@@ -504,6 +505,7 @@ class SpeakStreamCall:
             info = await engine.pool.info(refresh=True)
             voice = check_voice(config.voice, info, config.voice_field)
         rate = check_sample_rate(config.sample_rate_hz, info, config.sample_rate_field)
+        check_language_against(config.language, info, config.voice_field.replace("voice", "language"))
         check_against_decoder(
             info,
             modality=OutputModality.AUDIO,

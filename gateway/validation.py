@@ -428,6 +428,21 @@ def check_language(language: str, field: str = "language") -> str:
     return check_unicode(language, field).strip()
 
 
+def check_language_against(language: str, info: DecoderInfo, field: str = "language") -> str:
+    """A request's language against the model's (`info.languages`, case-insensitive); "" and
+    "auto" let the model choose. A model that takes none refuses any other: nothing is ignored."""
+    lang = language.strip().lower()
+    if lang in ("", "auto"):
+        return lang
+    if not info.languages:
+        raise InvalidArgumentError(field, f"this model takes no language (it speaks the text as it is written); "
+                                          f"got {language!r}")
+    if lang not in info.languages:
+        raise InvalidArgumentError(field, f"unknown language {language!r}; this model speaks: auto, "
+                                          f"{', '.join(info.languages)}")
+    return lang
+
+
 def check_reference_audio(audio: common_pb2.AudioContent | None,
                           field: str = "reference_audio") -> common_pb2.AudioContent | None:
     """A reference clip as sent: present data within the size limit (the decoder decodes it)."""
@@ -517,6 +532,7 @@ __all__ = [
     "check_encoding",
     "check_instructions",
     "check_language",
+    "check_language_against",
     "check_reference_audio",
     "check_modalities",
     "check_request_id",

@@ -10,7 +10,12 @@ import pytest
 import torch
 
 from decoder_svc.qwen3_tts.voices import VoiceLimits, VoiceStore
-from omni_common.errors import AlreadyExistsError, InvalidArgumentError, NotFoundError, ResourceExhaustedError
+from omni_common.errors import (
+    AlreadyExistsError,
+    InvalidArgumentError,
+    NotFoundError,
+    ResourceExhaustedError,
+)
 
 GOLDEN = Path(__file__).parent / "golden" / "qwen3_tts"
 

@@ -330,7 +330,7 @@ def test_config_file_and_command_line_precedence(tmp_path, suffix):
     else:
         path.write_text("profile: omni\nengine: fake\nhttp-port: 9000\nsync: true\nstartup_timeout: 60\n")
     cfg = _parse("--config", str(path), "--http-port", "9001", "--no-sync")
-    assert cfg.profile == "auto" and cfg.engine == "fake" and cfg.startup_timeout == 60.0
+    assert cfg.profile == "omni" and cfg.engine == "fake" and cfg.startup_timeout == 60.0
     assert cfg.http_port == 9001, "the command line wins over the file"
     assert cfg.sync is False
     assert cfg.port == default_value("port"), "keys absent from both keep their default"
