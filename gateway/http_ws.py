@@ -7,7 +7,8 @@ docs/gateway.md ("Streaming text in"); in short:
 Client → gateway, one JSON object per text frame:
 
 * ``{"type": "config", "voice", "response_format": "pcm", "sample_rate",
-  "seed", "instructions", "request_id", "model"}``: first and once; every
+  "seed", "instructions", "language", "reference_audio", "reference_text",
+  "request_id", "model"}``: first and once; every
   field optional (``model`` is accepted and ignored, as one deployment
   serves one model); unknown fields are refused;
 * ``{"type": "text", "text": "..."}``, ``{"type": "flush"}``,
@@ -53,6 +54,7 @@ from gateway.http_common import (
     error_response_for,
     json_field,
 )
+from gateway.http_voices import audio_from_json
 from gateway.servicer import CLIENT_ERRORS
 from gateway.speak_stream import (
     ClientGone,
@@ -67,6 +69,7 @@ from gateway.speak_stream import (
 from gateway.validation import (
     Limits,
     check_instructions,
+    check_language,
     check_request_id,
     check_sample_rate_shape,
     check_seed,
@@ -92,6 +95,9 @@ CONFIG_FIELDS = (
     "sample_rate",
     "seed",
     "instructions",
+    "language",
+    "reference_audio",
+    "reference_text",
 )
 MESSAGE_TYPES = ("config", "text", "flush", "cancel", "end")
 MAX_MESSAGE_BYTES = 2**20
@@ -136,6 +142,11 @@ def config_from_json(body: Mapping[str, object], limits: Limits) -> StreamConfig
         sample_rate_field="sample_rate",
         instructions_field="instructions",
         sampling_params_field="sampling_params",
+        language=check_language(str(json_field(body, "language", (str,), "")), "language"),
+        reference_audio=None if body.get("reference_audio") is None else audio_from_json(
+            body.get("reference_audio"), "reference_audio"),
+        reference_text=check_instructions(str(json_field(body, "reference_text", (str,), "")), limits,
+                                          "reference_text"),
     )
 
 

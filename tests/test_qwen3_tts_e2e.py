@@ -90,11 +90,20 @@ def test_custom_voice_speakers_instructions_and_languages(tmp_path_factory, tts_
             single = MANIFEST["cases"]["custom_voice/single"]["args"]
             got = _speak(stub, text=single["text"], voice="vivian", language="English")
             _same(got, _expected("custom_voice/single"), "gRPC Speak")
+            # text streamed in (one clause: one segment), with the call's voice and language
+            batch = MANIFEST["cases"]["custom_voice/batch"]["args"]
+            config = gateway_pb2.SpeakStreamConfig(
+                voice=batch["speaker"][2], language=batch["language"][2],
+                sampling_params=common_pb2.SamplingParams(temperature=0, max_tokens=FRAMES))
+            calls = [gateway_pb2.SpeakStreamRequest(config=config),
+                     gateway_pb2.SpeakStreamRequest(text=batch["text"][2]),
+                     gateway_pb2.SpeakStreamRequest(end=gateway_pb2.SpeakStreamEnd())]
+            streamed = b"".join(r.audio for r in stub.SpeakStream(iter(calls), timeout=300))
+            _same(_pcm(streamed), _expected("custom_voice/batch", 2), "SpeakStream")
             with pytest.raises(grpc.RpcError) as err:
                 stub.RegisterVoice(gateway_pb2.OmniGatewayServiceRegisterVoiceRequest(
                     name="x", audio=common_pb2.AudioContent(data=_clip_wav())), timeout=30)
             assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-        batch = MANIFEST["cases"]["custom_voice/batch"]["args"]
         with _http(stack) as http:
             for i in (1, 2):  # a style instruction and auto language; Chinese in a speaker's dialect
                 r = http.post("/v1/audio/speech", json=_speech_body(
