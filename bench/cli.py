@@ -18,10 +18,10 @@ RESULTS.md differs from what the files give.
 --preset released`) and records its memory plan, resident memory per
 process, TTFP per concurrency, step composition and Code2Wav's RTF.
 
-`code-predictor`, `media-input`, `realtime` and `threads` (not part of all)
-have their own options (`omni-serving bench code-predictor --help`, `...
-media-input --help`, `... realtime --help`, `... threads --help`) and write
-their results files the same way.
+`code-predictor`, `media-input`, `realtime`, `threads` and `tts` (not part of
+all) have their own options (`omni-serving bench code-predictor --help`, `...
+media-input --help`, `... realtime --help`, `... threads --help`, `... tts
+--help`) and write their results files the same way.
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("suite", choices=(*SUITES, "all", "breakdown", "checkpoint", "code-predictor"),
                    help="which benchmark to run (breakdown: a diagnostic of the critical path, not part of all; "
                         "checkpoint: one checkpoint served, not part of all; "
-                        "code-predictor, media-input, realtime, threads: their own options, see `<suite> --help`)")
+                        "code-predictor, media-input, realtime, threads, tts: their own options, see "
+                        "`<suite> --help`)")
     p.add_argument("--quick", action="store_true",
                    help="tiny sizes for CI (batch 1 and 4, payloads up to 1 MiB, concurrency 1 and 4, fake engine)")
     p.add_argument("--out", default="", help="run folder (default bench/results/<suite>-<timestamp>/); "
@@ -147,6 +148,10 @@ def main(argv: list[str] | None = None) -> int:
         from bench import threads
 
         return threads.main(argv[1:])
+    if argv[:1] == ["tts"]:
+        from bench import tts
+
+        return tts.main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.replicas < 1:

@@ -60,6 +60,7 @@ RENDERERS = {
     "media-input": "bench.media_input",
     "realtime": "bench.realtime",
     "threads": "bench.threads",
+    "tts": "bench.tts",
 }
 INDEX = record.RESULTS_DIR / "INDEX.yaml"
 RESULTS_MD = Path(__file__).resolve().parent / "RESULTS.md"
