@@ -825,3 +825,49 @@ def test_voice_turn_from_the_microphone_and_from_a_file(mic_browser, omni_stack:
     _wait(driver, lambda d: d.find_element(By.ID, "voice-status").text == "question.wav: 0.8 s", 10, "the file read")
     picked = _voice_turn_matches_generate(driver, omni_stack)
     assert len(picked["sent"]) // 2 == int(0.8 * 24000), len(picked["sent"])
+
+
+@pytest.mark.e2e
+@pytest.mark.vllm
+def test_a_voice_registered_and_used_from_the_page(browser, tmp_path_factory, tts_checkpoints) -> None:
+    """A voice-clone model (the tiny Qwen3-TTS Base on vLLM): the page offers its languages and the
+    upload, registers a clip as a voice, lists it, and speaks with it the audio the API gives."""
+    pytest.importorskip("vllm")
+    import wave
+
+    import numpy as np
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    clip = tmp_path_factory.mktemp("clip") / "clip.wav"
+    t = np.arange(36000) / 24000
+    with wave.open(str(clip), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(24000)
+        w.writeframes(np.round(0.3 * np.sin(2 * np.pi * 220 * t) * 32767).astype("<i2").tobytes())
+    runtime = tmp_path_factory.mktemp("rt-tts")
+    s = Stack(StackConfig(engine="vllm", model=str(tts_checkpoints["base"]), runtime_dir=str(runtime), port=0,
+                          http_port=0, log_level="WARNING", voice_dir=str(runtime / "voices"),
+                          decoder_metrics_port=-1, materializer_metrics_port=-1))
+    s.start(timeout_s=300)
+    try:
+        _open(browser, s.http_url)
+        assert browser.find_element(By.ID, "clone-panel").is_displayed()
+        assert browser.find_element(By.ID, "language-field").is_displayed()
+        assert not browser.find_element(By.ID, "instructions-field").is_displayed()  # a clone takes none
+        browser.find_element(By.ID, "clone-name").send_keys("page-voice")
+        browser.find_element(By.ID, "clone-file").send_keys(str(clip))
+        browser.find_element(By.ID, "clone-register").click()
+        _wait(browser, lambda d: "registered page-voice" in d.find_element(By.ID, "clone-status").text, 60,
+              "the registration")
+        assert Select(browser.find_element(By.ID, "voice-select")).first_selected_option.text == "page-voice"
+        Select(browser.find_element(By.ID, "language")).select_by_value("english")
+        _fill(browser, "Good morning.", seed="5")
+        live = _speak_and_wait(browser)
+        assert live["state"] == "done" and live["error"] is None, live
+        status, pcm = _post_speech(s.cfg.http_port, {"model": "base", "input": "Good morning.", "voice": "page-voice",
+                                                     "language": "english", "response_format": "pcm", "seed": 5})
+        assert status == 200 and live["bytesReceived"] == len(pcm) > 0, (status, pcm[:200])
+    finally:
+        assert s.stop() == []

@@ -75,6 +75,16 @@
     record: $("record"),
     voiceFile: $("voice-file"),
     voiceStatus: $("voice-status"),
+    languageField: $("language-field"),
+    language: $("language"),
+    instructionsField: $("instructions-field"),
+    instructions: $("instructions"),
+    clonePanel: $("clone-panel"),
+    cloneName: $("clone-name"),
+    cloneTranscript: $("clone-transcript"),
+    cloneFile: $("clone-file"),
+    cloneRegister: $("clone-register"),
+    cloneStatus: $("clone-status"),
   };
 
   // ---------------------------------------------------------------- PCM16LE
@@ -314,9 +324,51 @@
     ui.voiceList.replaceChildren(...voices.map((v) => new Option(v, v)));
   }
 
-  function showModelVoices() {
+  // A text-to-speech model's controls: its languages, style instructions,
+  // and for a voice-clone model the registered voices and an upload.
+  function showSpeechControls(model) {
+    const languages = model && Array.isArray(model.languages) ? model.languages : [];
+    ui.language.replaceChildren(new Option("auto", ""), ...languages.map((l) => new Option(l, l)));
+    ui.languageField.hidden = languages.length === 0;
+    ui.instructionsField.hidden = !(model && model.speech_instructions);
+    ui.clonePanel.hidden = !(model && model.voice_registry);
+  }
+
+  async function registeredVoices() {
+    const response = await fetch("/v1/audio/voices", { headers: authHeaders() });
+    if (!response.ok) return [];
+    const body = await response.json();
+    return (Array.isArray(body.data) ? body.data : []).map((v) => v.name);
+  }
+
+  async function registerVoice() {
+    const file = ui.cloneFile.files && ui.cloneFile.files[0];
+    const name = ui.cloneName.value.trim();
+    if (!file || !name) {
+      ui.cloneStatus.textContent = "give a name and a clip";
+      return;
+    }
+    const form = new FormData();
+    form.append("name", name);
+    form.append("transcript", ui.cloneTranscript.value.trim());
+    form.append("audio", file, file.name);
+    ui.cloneStatus.textContent = "registering…";
+    const response = await fetch("/v1/audio/voices", { method: "POST", headers: authHeaders(), body: form });
+    const body = await response.json().catch(() => ({}));
+    if (!response.ok) {
+      ui.cloneStatus.textContent = (body.error && body.error.message) || `failed (${response.status})`;
+      return;
+    }
+    ui.cloneStatus.textContent = `registered ${body.name} (${Number(body.duration_seconds).toFixed(1)} s)`;
+    await showModelVoices();
+    ui.voiceSelect.value = body.name;
+  }
+
+  async function showModelVoices() {
     const model = (live.models || []).find((m) => m.id === ui.model.value);
-    const voices = model && Array.isArray(model.voices) ? model.voices : [];
+    let voices = model && Array.isArray(model.voices) ? model.voices : [];
+    showSpeechControls(model);
+    if (model && model.voice_registry) voices = [...(await registeredVoices()), ...voices];
     if (model && Number.isInteger(model.sample_rate_hz)) live.sampleRate = model.sample_rate_hz;
     // Chat needs a model that writes text too.
     const chat = ui.mode.querySelector('option[value="chat"]');
@@ -384,7 +436,7 @@
         if (models.some((m) => m.id === keep)) ui.model.value = keep;
         ui.model.disabled = models.length < 2;
         ui.server.textContent = `${models.length} model${models.length > 1 ? "s" : ""}`;
-        showModelVoices();
+        await showModelVoices();
         return;
       }
     }
@@ -440,6 +492,9 @@
     };
     const voice = currentVoice();
     if (voice) body.voice = voice;
+    if (!ui.languageField.hidden && ui.language.value) body.language = ui.language.value;
+    const instructions = ui.instructions.value.trim();
+    if (!ui.instructionsField.hidden && instructions) body.instructions = instructions;
     return { url: "/v1/audio/speech", body: withSeed(body) };
   }
 
@@ -873,6 +928,7 @@
   ui.record.addEventListener("click", toggleRecord);
   ui.voiceFile.addEventListener("change", pickFile);
   ui.model.addEventListener("change", showModelVoices);
+  ui.cloneRegister.addEventListener("click", registerVoice);
   ui.token.addEventListener("change", loadModels);
   ui.text.addEventListener("keydown", (event) => {
     if (event.key === "Enter" && (event.ctrlKey || event.metaKey)) speak();
