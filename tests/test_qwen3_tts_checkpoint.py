@@ -88,3 +88,87 @@ def test_tiny_checkpoint_refuses_an_existing_directory(tmp_path) -> None:
     with pytest.raises(ValueError, match="kind"):
         create_tiny_checkpoint(tmp_path / "y", kind="nope")
     assert not (tmp_path / "y").exists()
+
+
+def _broken_copy(tmp_path: Path, src: Path, edit) -> Path:  # noqa: ANN001
+    """A copy of a checkpoint with its config.json edited by `edit(config)`."""
+    import shutil
+
+    dst = tmp_path / "broken"
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    edit(cfg)
+    (dst / "config.json").write_text(json.dumps(cfg))
+    return dst
+
+
+@pytest.mark.parametrize(
+    ("edit", "key", "says"),
+    [
+        (lambda c: c["talker_config"].update(hidden_size=256), "talker.model.layers.0.self_attn.q_proj.weight",
+         "shape"),
+        (lambda c: c["talker_config"].update(codec_eos_token_id=5000), "talker_config.codec_eos_token_id",
+         "codec vocabulary"),
+        (lambda c: c["talker_config"]["spk_is_dialect"].pop("eric"), "talker_config.spk_is_dialect.eric",
+         "every speaker"),
+        (lambda c: c["talker_config"]["code_predictor_config"].update(num_code_groups=8),
+         "talker_config.code_predictor_config.num_code_groups", "the talker has 16"),
+        (lambda c: c.update(tts_model_type="karaoke"), "tts_model_type", "one of"),
+        (lambda c: c["talker_config"].pop("text_vocab_size"), "talker_config.text_vocab_size", "integer"),
+    ],
+    ids=["shape", "codec-id", "dialect", "groups", "kind", "text-vocab"],
+)
+def test_a_bad_checkpoint_is_refused_naming_file_and_key(tmp_path, tts_checkpoints, edit, key, says) -> None:
+    from decoder_svc.qwen3_tts.checkpoint import CheckpointError, TTSCheckpoint
+
+    path = _broken_copy(tmp_path, tts_checkpoints["custom_voice"], edit)
+    with pytest.raises(CheckpointError) as err:
+        TTSCheckpoint.open(path)
+    assert err.value.key == key and says in err.value.message, str(err.value)
+
+
+def test_the_speech_tokenizer_is_checked(tmp_path, tts_checkpoints) -> None:
+    import shutil
+
+    from decoder_svc.qwen3_tts.checkpoint import CheckpointError, TTSCheckpoint
+
+    dst = tmp_path / "no-speech"
+    shutil.copytree(tts_checkpoints["voice_design"], dst)
+    cfg = json.loads((dst / "speech_tokenizer" / "config.json").read_text())
+    cfg["decoder_config"]["num_quantizers"] = 8
+    (dst / "speech_tokenizer" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CheckpointError, match="decoder_config.num_quantizers: 8 but the talker makes 16"):
+        TTSCheckpoint.open(dst)
+    (dst / "speech_tokenizer" / "config.json").unlink()
+    with pytest.raises(CheckpointError, match="speech_tokenizer/config.json"):
+        TTSCheckpoint.open(dst)
+
+
+def test_cli_creates_and_checks_a_tts_checkpoint(tmp_path, capsys) -> None:
+    from omni_cli.main import main
+
+    out = tmp_path / "vd"
+    assert main(["models", "create", "--family", "qwen3-tts", "--kind", "voice_design", "--out", str(out)]) == 0
+    assert capsys.readouterr().out.strip() == str(out)
+    assert main(["models", "check", str(out)]) == 0
+    summary = capsys.readouterr().out
+    assert "Qwen3TTSForConditionalGeneration (voice_design)" in summary
+    assert "none (described by instructions)" in summary and "auto, chinese, english" in summary
+    assert main(["models", "create", "--family", "qwen3-tts", "--out", str(out)]) == 2  # exists: untouched
+    assert main(["models", "create", "--family", "qwen3-tts"]) == 2  # needs --out
+    assert "--out" in capsys.readouterr().err
+
+
+def test_a_tts_model_serves_the_tts_profile(tts_checkpoints) -> None:
+    """--profile auto gives the model's own profile; an explicit omni is refused with the fix named."""
+    from decoder_svc.families import UnservableModel, family_for
+    from decoder_svc.profile import load_profile
+    from decoder_svc.qwen3_tts.family import build_engine
+
+    path = str(tts_checkpoints["custom_voice"])
+    assert family_for("vllm", path).name == "qwen3_tts" and family_for("vllm", path).default_profile == "tts"
+    assert family_for("vllm", "").default_profile == "omni"
+    with pytest.raises(UnservableModel, match="tts profile"):
+        build_engine(load_profile("omni"), path, max_num_seqs=None)
+    with pytest.raises(UnservableModel, match="--model"):
+        build_engine(load_profile("tts"), "", max_num_seqs=None)

@@ -156,3 +156,23 @@ def test_voice_clone_with_a_clip_and_with_a_registered_voice(tmp_path_factory, t
             assert http.get("/v1/audio/voices").json()["data"] == []
     finally:
         assert stack.stop() == []
+
+
+def test_voice_design_described_voices(tmp_path_factory, tts_checkpoints) -> None:
+    stack = _stack(tmp_path_factory, tts_checkpoints["voice_design"])
+    single = MANIFEST["cases"]["voice_design/single"]["args"]
+    batch = MANIFEST["cases"]["voice_design/batch"]["args"]
+    try:
+        with _http(stack) as http, grpc.insecure_channel(stack.gateway_target) as ch:
+            stub = gateway_pb2_grpc.OmniGatewayServiceStub(ch)
+            card = stub.ListModels(gateway_pb2.ListModelsRequest(), timeout=30).models[0]
+            assert list(card.voices) == ["default"] and card.speech_instructions and not card.voice_registry
+            r = http.post("/v1/audio/speech", json=_speech_body(
+                model="voice_design", input=single["text"], instructions=single["instruct"],
+                language=single["language"]))
+            assert r.status_code == 200, r.text
+            _same(_pcm(r.content), _expected("voice_design/single"), "HTTP speech, a described voice")
+            got = _speak(stub, text=batch["text"][1], instructions=batch["instruct"][1], language=batch["language"][1])
+            _same(got, _expected("voice_design/batch", 1), "gRPC Speak, a described voice")
+    finally:
+        assert stack.stop() == []
