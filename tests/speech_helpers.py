@@ -103,3 +103,20 @@ def metric(stack, name: str, **labels: str) -> float:
         text = r.read().decode()
     return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def talker_codes(engine, specs) -> dict:  # noqa: ANN001
+    """Each spec's codes [frames, G] (torch) from the engine's talker, stepped in process."""
+    import torch
+
+    talker = engine.backends["talker"]
+    codes: dict[str, list] = {s.request_id: [] for s in specs}
+    for s in specs:
+        talker.add_request(engine.prepare(s))
+    while talker.has_unfinished():
+        out = talker.step()
+        if out is not None:
+            c, _ = out.mm_outputs["codec_codes"]
+            for i, rid in enumerate(out.request_ids):
+                codes[rid].append(c[i])
+    return {rid: torch.stack(v) for rid, v in codes.items()}

@@ -40,7 +40,7 @@ from omni_serving.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from omni_stack.config import StackConfig
 from omni_stack.stack import Stack
 from tests.ci_budget import CI_SHORT
-from tests.speech_helpers import check_chunks
+from tests.speech_helpers import check_chunks, talker_codes
 
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.parity, pytest.mark.vllm, pytest.mark.e2e]
@@ -315,19 +315,7 @@ def test_a_bfloat16_thinker_against_the_float32_reference(tmp_path_factory, chec
     assert sum(w <= 1e-4 for w in wave) >= len(wave) // 2, wave
 
 
-def _talker_codes(engine, specs) -> dict[str, torch.Tensor]:
-    """Each spec's codes [frames, 16] from the engine's talker, stepped in process."""
-    talker = engine.backends["talker"]
-    codes: dict[str, list[torch.Tensor]] = {s.request_id: [] for s in specs}
-    for s in specs:
-        talker.add_request(engine.prepare(s))
-    while talker.has_unfinished():
-        out = talker.step()
-        if out is not None:
-            c, _ = out.mm_outputs["codec_codes"]
-            for i, rid in enumerate(out.request_ids):
-                codes[rid].append(c[i])
-    return {rid: torch.stack(v) for rid, v in codes.items()}
+_talker_codes = talker_codes  # each spec's codes [frames, 16] from the engine's talker, stepped in process
 
 
 def test_a_bfloat16_talker_against_the_float32_reference(checkpoint, reference):

@@ -19,6 +19,8 @@ import numpy as np
 import pytest
 import torch
 
+from tests.speech_helpers import talker_codes
+
 pytest.importorskip("vllm")
 pytestmark = [pytest.mark.parity, pytest.mark.vllm]
 
@@ -51,18 +53,7 @@ def _spec(engine, rid: str, item: dict, frames: int):
                        conditioning=cond)
 
 
-def _run(engine, specs) -> dict[str, torch.Tensor]:
-    talker = engine.backends["talker"]
-    codes: dict[str, list[torch.Tensor]] = {s.request_id: [] for s in specs}
-    for s in specs:
-        talker.add_request(engine.prepare(s))
-    while talker.has_unfinished():
-        out = talker.step()
-        if out is not None:
-            c, _ = out.mm_outputs["codec_codes"]
-            for i, rid in enumerate(out.request_ids):
-                codes[rid].append(c[i])
-    return {rid: torch.stack(v) for rid, v in codes.items()}
+_run = talker_codes
 
 
 @pytest.mark.parametrize("kind", ["custom_voice", "voice_design", "base"])

@@ -254,6 +254,15 @@ class ThinkerBackend(VLLMBackend):
         super().close()
 
 
+def talker_sampling(generation_config: dict, names: dict[str, tuple[str, float]]) -> dict[str, Any]:
+    """The talker's sampling settings (temperature, repetition_penalty,
+    top_k, top_p and the code predictor's) from a checkpoint's
+    generation config: each read under its family's key (``names``:
+    setting -> (key, the reference's default when the key is absent))."""
+    return {setting: (int if setting.endswith("top_k") else float)(generation_config.get(key, default))
+            for setting, (key, default) in names.items()}
+
+
 class TalkerBackend(VLLMBackend):
     """The Qwen3-Omni talker on vLLM (see the module docstring)."""
 
@@ -296,16 +305,11 @@ class TalkerBackend(VLLMBackend):
             str(k).lower(): int(v) for k, v in checkpoint.talker_config["speaker_id"].items()
         }
         self.end_ids = frozenset({int(checkpoint.config["im_end_token_id"])})
-        gen = checkpoint.generation_config
-        self.sampling = {
-            "temperature": float(gen.get("talker_temperature", 0.9)),
-            "repetition_penalty": float(gen.get("talker_repetition_penalty", 1.05)),
-            "top_k": int(gen.get("talker_top_k", 50)),
-            "top_p": float(gen.get("talker_top_p", 1.0)),
-            "code_predictor_top_k": int(gen.get("code_predictor_top_k", 50)),
-            "code_predictor_top_p": float(gen.get("code_predictor_top_p", 0.8)),
-            "code_predictor_temperature": float(gen.get("code_predictor_temperature", 1.0)),
-        }
+        self.sampling = talker_sampling(checkpoint.generation_config, {
+            "temperature": ("talker_temperature", 0.9), "repetition_penalty": ("talker_repetition_penalty", 1.05),
+            "top_k": ("talker_top_k", 50), "top_p": ("talker_top_p", 1.0),
+            "code_predictor_top_k": ("code_predictor_top_k", 50), "code_predictor_top_p": ("code_predictor_top_p", 0.8),
+            "code_predictor_temperature": ("code_predictor_temperature", 1.0)})
 
     @property
     def sampling_defaults(self) -> tuple[float, float, int]:
@@ -321,8 +325,12 @@ class TalkerBackend(VLLMBackend):
 
     def _configure(self, role: str | None) -> None:
         talker = self.checkpoint.talker_config
-        text = talker["text_config"]
-        self.engine_dir = talker_view(self.checkpoint).path
+        self._talker_facts(talker_view(self.checkpoint).path, talker["text_config"], talker)
+
+    def _talker_facts(self, engine_dir: Any, text: dict, talker: dict) -> None:
+        """The engine's view directory, and the facts of the talker's config
+        (``text``: its language model's sizes; ``talker``: codec ids and code groups)."""
+        self.engine_dir = engine_dir
         self.role = "talker"
         self.hidden_size = int(text["hidden_size"])
         self.vocab_size = int(text["vocab_size"])

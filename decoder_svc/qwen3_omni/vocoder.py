@@ -43,11 +43,50 @@ OPENAI_VOICES = {
 }
 
 
-class CheckpointVocoder:
+class StreamingVocoder:
+    """A streaming codec decoder (``.code2wav.CodecDecoder``) behind the
+    generation stage's interface: ``new_stream``, ``push_many``, the facts
+    (``voices``, ``sample_rate``, ``num_codebooks``, ``codebook_size``,
+    ``frames_per_second``) and ``worker_spec`` (``FACTORY``: the subclass's
+    importable path, built again in a code2wav worker from the checkpoint
+    directory, its voices, device and dtype)."""
+
+    FACTORY = ""
+    model: Any
+
+    def _setup(self, model: Any, model_dir: str, voices: Sequence[str], device: str, dtype: str,
+               aliases: dict[str, str]) -> None:
+        self.model = model
+        self.model_dir, self.device, self.dtype = str(model_dir), str(device), str(dtype)
+        self.voices = tuple(voices)
+        self.voice_aliases = {alias: v for alias, v in aliases.items() if v in self.voices}
+        self.sample_rate = int(getattr(model, "sample_rate", SAMPLE_RATE))
+        self.num_codebooks = int(model.num_quantizers)
+        self.frames_per_second = self.sample_rate / int(model.samples_per_frame)
+        self.codebook_size = int(model.codebook_size)
+
+    def new_stream(self, voice: str) -> _NumpyStream:  # the voice is in the codes already
+        return _NumpyStream(self.model.new_stream())
+
+    def push_many(self, streams: Sequence[_NumpyStream], blocks: Sequence[np.ndarray]) -> list[np.ndarray]:
+        """``push`` of each stream's block, in one forward over all of them
+        (``.code2wav_batch.push_many``; a bad block raises ``InvalidRow``
+        naming it before any stream changed)."""
+        codes = [torch.from_numpy(np.ascontiguousarray(b, dtype=np.int64)) for b in blocks]
+        return [a.numpy() for a in push_many([s._stream for s in streams], codes)]
+
+    def worker_spec(self) -> tuple[str, dict[str, Any]]:
+        return (self.FACTORY, {"model_dir": self.model_dir, "voices": [str(v) for v in self.voices],
+                               "device": self.device, "dtype": self.dtype})
+
+
+class CheckpointVocoder(StreamingVocoder):
     """The checkpoint's Code2Wav behind the generation stage's streaming
     interface, built from the checkpoint directory alone (read only): what a
     code2wav worker process rebuilds from ``worker_spec()``. Same arithmetic
     as the engine's vocoder: the same tensors, the same stream."""
+
+    FACTORY = "decoder_svc.qwen3_omni.vocoder:CheckpointVocoder"
 
     def __init__(self, model_dir: str, voices: Sequence[str], checkpoint: Any = None, *, device: str = "cpu",
                  dtype: str = "float32") -> None:
@@ -61,29 +100,9 @@ class CheckpointVocoder:
             from decoder_svc.qwen3_omni.checkpoint import OmniCheckpoint
 
             checkpoint = OmniCheckpoint.open(model_dir)
-        self.model_dir = str(checkpoint.path)
-        self.device, self.dtype = str(device), str(dtype)
-        self.model = Code2Wav.from_config_and_tensors(checkpoint.code2wav_config, checkpoint.tensors("code2wav."),
-                                                      device=self.device, dtype=getattr(torch, self.dtype))
-        self.voices = tuple(voices)
-        self.voice_aliases = {alias: v for alias, v in OPENAI_VOICES.items() if v in self.voices}
-        self.sample_rate = int(getattr(self.model, "sample_rate", SAMPLE_RATE))
-        self.num_codebooks = int(self.model.num_quantizers)
-        self.frames_per_second = self.sample_rate / int(self.model.samples_per_frame)
-        self.codebook_size = int(checkpoint.code2wav_config["codebook_size"])
-
-    def new_stream(self, voice: str) -> _NumpyStream:  # the voice is in the codes already
-        return _NumpyStream(self.model.new_stream())
-
-    def push_many(self, streams: Sequence[_NumpyStream], blocks: Sequence[np.ndarray]) -> list[np.ndarray]:
-        """``push`` of each stream's block, in one forward over all of them
-        (``.code2wav_batch.push_many``; a bad block raises ``InvalidRow``
-        naming it before any stream changed)."""
-        codes = [torch.from_numpy(np.ascontiguousarray(b, dtype=np.int64)) for b in blocks]
-        return [a.numpy() for a in push_many([s._stream for s in streams], codes)]
-
-    def worker_spec(self) -> tuple[str, dict[str, Any]]:
-        return worker_spec(self.model_dir, self.voices, device=self.device, dtype=self.dtype)
+        model = Code2Wav.from_config_and_tensors(checkpoint.code2wav_config, checkpoint.tensors("code2wav."),
+                                                 device=str(device), dtype=getattr(torch, str(dtype)))
+        self._setup(model, str(checkpoint.path), voices, device, dtype, OPENAI_VOICES)
 
 
 def worker_spec(model_dir: str | Any, voices: Sequence[str], *, device: str = "cpu",
@@ -91,6 +110,6 @@ def worker_spec(model_dir: str | Any, voices: Sequence[str], *, device: str = "c
     """How a code2wav worker process rebuilds the vocoder of the checkpoint in
     `model_dir` (factory path, keyword arguments; nothing of torch pickled)."""
     return (
-        "decoder_svc.qwen3_omni.vocoder:CheckpointVocoder",
+        CheckpointVocoder.FACTORY,
         {"model_dir": str(model_dir), "voices": [str(v) for v in voices], "device": device, "dtype": dtype},
     )

@@ -32,7 +32,7 @@ from typing import Any
 import torch
 
 from decoder_svc.backend import RequestSpec
-from decoder_svc.qwen3_omni.backends import TalkerBackend, _float32_rows
+from decoder_svc.qwen3_omni.backends import TalkerBackend, _float32_rows, talker_sampling
 from decoder_svc.qwen3_omni.talker import TALKER_ARCH, TalkerRequestState
 from decoder_svc.qwen3_omni.views import TALKER_PREFIX, TALKER_VIEW, StageView, build_view
 from omni_common.errors import FailedPreconditionError, InvalidArgumentError
@@ -107,27 +107,14 @@ class TTSTalkerBackend(TalkerBackend):
         self._all_languages = {str(k).lower(): int(v) for k, v in talker["codec_language_id"].items()}
         self._dialects = {str(k).lower(): v for k, v in talker["spk_is_dialect"].items()}
         self.end_ids = frozenset()
-        gen = checkpoint.generation_config
-        self.sampling = {
-            "temperature": float(gen.get("temperature", 0.9)),
-            "repetition_penalty": float(gen.get("repetition_penalty", 1.05)),
-            "top_k": int(gen.get("top_k", 50)),
-            "top_p": float(gen.get("top_p", 1.0)),
-            "code_predictor_top_k": int(gen.get("subtalker_top_k", 50)),
-            "code_predictor_top_p": float(gen.get("subtalker_top_p", 1.0)),
-            "code_predictor_temperature": float(gen.get("subtalker_temperature", 0.9)),
-        }
+        self.sampling = talker_sampling(checkpoint.generation_config, {
+            "temperature": ("temperature", 0.9), "repetition_penalty": ("repetition_penalty", 1.05),
+            "top_k": ("top_k", 50), "top_p": ("top_p", 1.0), "code_predictor_top_k": ("subtalker_top_k", 50),
+            "code_predictor_top_p": ("subtalker_top_p", 1.0), "code_predictor_temperature": ("subtalker_temperature", 0.9)})
 
     def _configure(self, role: str | None) -> None:
         talker = self.checkpoint.talker_config
-        self.engine_dir = talker_view(self.checkpoint).path
-        self.role = "talker"
-        self.hidden_size = int(talker["hidden_size"])
-        self.vocab_size = int(talker["vocab_size"])
-        self.ids_codec_eos = int(talker["codec_eos_token_id"])
-        self.eos_token_id = self.ids_codec_eos
-        self.num_codebooks = int(talker["num_code_groups"])
-        self.codec_vocab = int(talker["code_predictor_config"]["vocab_size"])
+        self._talker_facts(talker_view(self.checkpoint).path, talker, talker)  # (one config: no text_config)
 
     def _load_host_tables(self) -> None:
         name = "talker.model.text_embedding.weight"

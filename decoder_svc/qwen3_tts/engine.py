@@ -32,9 +32,8 @@ import torch
 from decoder_svc.backend import RequestSpec
 from decoder_svc.engine_settings import EffectiveSettings, resolve
 from decoder_svc.profile import Profile
-from decoder_svc.qwen3_omni.code2wav_batch import push_many
 from decoder_svc.qwen3_omni.engine import vocoder_placement
-from decoder_svc.qwen3_omni.vocoder import _NumpyStream
+from decoder_svc.qwen3_omni.vocoder import StreamingVocoder
 from omni_common.errors import InvalidArgumentError
 
 from .backend import INSTRUCT_IDS, REF_CODES, REF_TEXT_IDS, XVECTOR, TTSTalkerBackend
@@ -46,7 +45,7 @@ from .speech_decoder import SpeechDecoder
 log = logging.getLogger(__name__)
 
 __all__ = ["DESIGNED_VOICE", "SpeechPrompts", "SpeechVocoder", "TTSEngine", "build_engine", "build_stage_backend",
-           "stage_settings", "voices_of", "worker_spec"]
+           "stage_settings", "voices_of"]
 
 DESIGNED_VOICE = "default"
 """The one voice of voice_design and base models (described by instructions, or cloned per request)."""
@@ -130,45 +129,22 @@ class SpeechPrompts:
         return codes
 
 
-class SpeechVocoder:
+class SpeechVocoder(StreamingVocoder):
     """The speech tokenizer's decoder behind the generation stage's streaming
-    interface (as ``decoder_svc.qwen3_omni.vocoder.CheckpointVocoder``), built
-    from the checkpoint directory alone (read only): what a code2wav worker
-    process rebuilds from ``worker_spec()``."""
+    interface, built from the checkpoint directory alone (read only): what a
+    code2wav worker process rebuilds from ``worker_spec()``. No voice aliases:
+    OpenAI's names map to Qwen3-Omni's speakers only."""
+
+    FACTORY = "decoder_svc.qwen3_tts.engine:SpeechVocoder"
 
     def __init__(self, model_dir: str, voices: Sequence[str], checkpoint: TTSCheckpoint | None = None, *,
                  device: str = "cpu", dtype: str = "float32") -> None:
         if checkpoint is None:
             checkpoint = TTSCheckpoint.open(model_dir)
-        self.model_dir = str(checkpoint.path)
-        self.device, self.dtype = str(device), str(dtype)
-        decoder_config = checkpoint.speech_config["decoder_config"]
-        self.model = SpeechDecoder.from_config_and_tensors(
-            decoder_config, checkpoint.speech_tensors("decoder."), prefix="decoder.", device=self.device,
-            dtype=getattr(torch, self.dtype))
-        self.voices = tuple(voices)
-        self.voice_aliases: dict[str, str] = {}
-        self.sample_rate = int(self.model.sample_rate)
-        self.num_codebooks = int(self.model.num_quantizers)
-        self.frames_per_second = self.sample_rate / int(self.model.samples_per_frame)
-        self.codebook_size = int(self.model.codebook_size)
-
-    def new_stream(self, voice: str) -> _NumpyStream:  # the voice is in the codes already
-        return _NumpyStream(self.model.new_stream())
-
-    def push_many(self, streams: Sequence[_NumpyStream], blocks: Sequence[np.ndarray]) -> list[np.ndarray]:
-        codes = [torch.from_numpy(np.ascontiguousarray(b, dtype=np.int64)) for b in blocks]
-        return [a.numpy() for a in push_many([s._stream for s in streams], codes)]
-
-    def worker_spec(self) -> tuple[str, dict[str, Any]]:
-        return worker_spec(self.model_dir, self.voices, device=self.device, dtype=self.dtype)
-
-
-def worker_spec(model_dir: str | Path, voices: Sequence[str], *, device: str = "cpu",
-                dtype: str = "float32") -> tuple[str, dict[str, Any]]:
-    """How a code2wav worker process rebuilds the vocoder (factory path, keyword arguments)."""
-    return ("decoder_svc.qwen3_tts.engine:SpeechVocoder",
-            {"model_dir": str(model_dir), "voices": [str(v) for v in voices], "device": device, "dtype": dtype})
+        model = SpeechDecoder.from_config_and_tensors(
+            checkpoint.speech_config["decoder_config"], checkpoint.speech_tensors("decoder."), prefix="decoder.",
+            device=str(device), dtype=getattr(torch, str(dtype)))
+        self._setup(model, str(checkpoint.path), voices, device, dtype, {})
 
 
 def stage_settings(checkpoint: TTSCheckpoint, stage: Any, *, platform: str | None = None, log_notes: bool = True,
