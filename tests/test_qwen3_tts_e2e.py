@@ -22,6 +22,7 @@ import pytest
 from omni_serving.v1 import common_pb2, gateway_pb2, gateway_pb2_grpc
 from omni_stack.config import StackConfig
 from omni_stack.stack import Stack
+from tests.fs_helpers import tree_snapshot
 from tests.speech_helpers import check_chunks
 
 pytest.importorskip("vllm")
@@ -122,6 +123,8 @@ def test_custom_voice_speakers_instructions_and_languages(tmp_path_factory, tts_
 
 
 def test_voice_clone_with_a_clip_and_with_a_registered_voice(tmp_path_factory, tts_checkpoints) -> None:
+    """... and the model's directory is only read: the registry lives in --voice-dir."""
+    before = tree_snapshot(tts_checkpoints["base"])
     stack = _stack(tmp_path_factory, tts_checkpoints["base"])
     icl = MANIFEST["cases"]["base/icl"]["args"]
     xvec = MANIFEST["cases"]["base/xvector"]["args"]
@@ -156,6 +159,7 @@ def test_voice_clone_with_a_clip_and_with_a_registered_voice(tmp_path_factory, t
             assert http.get("/v1/audio/voices").json()["data"] == []
     finally:
         assert stack.stop() == []
+    assert tree_snapshot(tts_checkpoints["base"]) == before, "the model's directory changed"
 
 
 def test_voice_design_described_voices(tmp_path_factory, tts_checkpoints) -> None:
