@@ -117,3 +117,19 @@ def test_names_clips_and_limits(tmp_path) -> None:
         store.register("a3", _clip())
     assert store.names() == ["a1", "a2"]
     assert not list(tmp_path.rglob(".*"))  # no temporary file left behind
+
+
+def test_the_registry_is_never_inside_the_model_directory(tts_checkpoints, tmp_path) -> None:
+    from decoder_svc.qwen3_tts.checkpoint import TTSCheckpoint
+    from decoder_svc.qwen3_tts.engine import make_prompts
+
+    ckpt = TTSCheckpoint.open(tts_checkpoints["base"])
+    for inside in (ckpt.path, ckpt.path / "voices"):
+        with pytest.raises(InvalidArgumentError, match="voice_dir: .* inside the model's directory"):
+            make_prompts(ckpt, max_model_len=0, voice_dir=inside)
+    (tmp_path / "file").write_text("")
+    with pytest.raises(InvalidArgumentError, match="voice_dir: cannot use"):
+        make_prompts(ckpt, max_model_len=0, voice_dir=tmp_path / "file")
+    prompts = make_prompts(ckpt, max_model_len=0, voice_dir=tmp_path / "voices")
+    assert prompts.voices is not None and prompts.voices.root == tmp_path / "voices"
+    assert make_prompts(TTSCheckpoint.open(tts_checkpoints["custom_voice"]), max_model_len=0).voices is None

@@ -199,7 +199,10 @@ def make_prompts(checkpoint: TTSCheckpoint, *, max_model_len: int, voice_dir: st
     root = Path(voice_dir) if voice_dir else model_cache_root() / "voices"
     if root.resolve() == checkpoint.path or checkpoint.path in root.resolve().parents:
         raise InvalidArgumentError("voice_dir", f"{root} is inside the model's directory, which is never written")
-    store = VoiceStore(root, fingerprint=checkpoint.fingerprint(), encode=encode, reserved=voices_of(checkpoint))
+    try:
+        store = VoiceStore(root, fingerprint=checkpoint.fingerprint(), encode=encode, reserved=voices_of(checkpoint))
+    except OSError as exc:
+        raise InvalidArgumentError("voice_dir", f"cannot use {root} for the voice registry: {exc}") from exc
     log.info("voice registry: %s (%d voices)", store.root, len(store.names()))
     return SpeechPrompts(checkpoint, max_model_len=max_model_len, voices=store, encoder=encoder)
 

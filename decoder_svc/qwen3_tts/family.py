@@ -49,12 +49,17 @@ def build_engine(
         try:
             prompts = make_prompts(checkpoint, max_model_len=backends[profile.ar_stages[0].name].max_model_len,
                                    voice_dir=voice_dir)
-        except BaseException:
+        except BaseException as exc:
             for b in backends.values():
                 b.close()
+            if isinstance(exc, InvalidArgumentError):
+                raise UnservableModel(str(exc)) from exc
             raise
         return EngineParts(backends, vocoder, prompts.prepare, voices=prompts.voices)
-    engine = build_tts(profile, checkpoint, max_num_seqs=max_num_seqs, voice_dir=voice_dir)
+    try:
+        engine = build_tts(profile, checkpoint, max_num_seqs=max_num_seqs, voice_dir=voice_dir)
+    except InvalidArgumentError as exc:  # the voice registry's directory
+        raise UnservableModel(str(exc)) from exc
     return EngineParts(engine.backends, engine.vocoder, engine.prepare, voices=engine.prompts.voices)
 
 
