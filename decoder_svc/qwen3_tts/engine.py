@@ -103,6 +103,8 @@ class SpeechPrompts:
                 raise InvalidArgumentError("reference_audio", f"this model ({self.kind}) does not clone voices; "
                                                               "a voice-clone (base) model does")
             return None
+        if XVECTOR in cond and spec.reference_audio is None:  # features given already (in process: tests, tools)
+            return cond.get(REF_CODES)
         if spec.reference_audio is not None:
             from omni_common.media import decode_audio
 
