@@ -419,22 +419,27 @@ class TalkerBackend(VLLMBackend):
             trailing = builder.take()
         if spec.image_grids:
             self._image_positions(spec, builder, int(prompt_embeds.shape[0]))
+        self._add_state(spec, int(prompt_embeds.shape[0]), trailing, builder.pad, builder.complete)
+        if not builder.complete:
+            self._builders[spec.request_id] = builder
+        return {"prompt_embeds": prompt_embeds}
+
+    def _add_state(self, spec: RequestSpec, prompt_len: int, trailing: torch.Tensor, pad: torch.Tensor,
+                   complete: bool) -> None:
+        """The request's per-step state in the talker's slots: its text rows
+        after the prompt, and its sampling (greedy throughout at temperature 0)."""
         greedy = spec.temperature <= 0
-        state = TalkerRequestState(
-            prompt_len=int(prompt_embeds.shape[0]),
+        self._model.slots.add(spec.request_id, TalkerRequestState(
+            prompt_len=prompt_len,
             trailing=trailing,
-            pad=builder.pad,
-            complete=builder.complete,
+            pad=pad,
+            complete=complete,
             repetition_penalty=self.sampling["repetition_penalty"],
             temperature=0.0 if greedy else self.sampling["code_predictor_temperature"],
             top_k=self.sampling["code_predictor_top_k"],
             top_p=self.sampling["code_predictor_top_p"],
             seed=int(spec.seed),
-        )
-        model.slots.add(spec.request_id, state)
-        if not builder.complete:
-            self._builders[spec.request_id] = builder
-        return {"prompt_embeds": prompt_embeds}
+        ))
 
     def _image_positions(self, spec: RequestSpec, builder: TalkerPromptBuilder, length: int) -> None:
         """A prompt with images: the talker's 3-D positions (.talker_rope)

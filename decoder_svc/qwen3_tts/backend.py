@@ -33,7 +33,7 @@ import torch
 
 from decoder_svc.backend import RequestSpec
 from decoder_svc.qwen3_omni.backends import TalkerBackend, _float32_rows, talker_sampling
-from decoder_svc.qwen3_omni.talker import TALKER_ARCH, TalkerRequestState
+from decoder_svc.qwen3_omni.talker import TALKER_ARCH
 from decoder_svc.qwen3_omni.views import TALKER_PREFIX, TALKER_VIEW, StageView, build_view
 from omni_common.errors import FailedPreconditionError, InvalidArgumentError
 
@@ -183,19 +183,7 @@ class TTSTalkerBackend(TalkerBackend):
         )
         with torch.inference_mode():
             built = build_prompt(self.ids, voice, text_rows, codec_rows, frame_rows)
-        greedy = spec.temperature <= 0
-        state = TalkerRequestState(
-            prompt_len=int(built.prompt_embeds.shape[0]),
-            trailing=built.trailing,
-            pad=built.pad,
-            complete=True,
-            repetition_penalty=self.sampling["repetition_penalty"],
-            temperature=0.0 if greedy else self.sampling["code_predictor_temperature"],
-            top_k=self.sampling["code_predictor_top_k"],
-            top_p=self.sampling["code_predictor_top_p"],
-            seed=int(spec.seed),
-        )
-        model.slots.add(spec.request_id, state)
+        self._add_state(spec, int(built.prompt_embeds.shape[0]), built.trailing, built.pad, complete=True)
         return {"prompt_embeds": built.prompt_embeds}
 
     def _sampling_params(self, spec: RequestSpec):
